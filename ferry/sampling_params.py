@@ -1,0 +1,91 @@
+"""Sampling parameters: one resolved, validated form shared by router, scheduler and worker."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import common_pb2
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    n: int = 1
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative")
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
+        """Resolve unset optional fields to their defaults; raises ValueError on bad values."""
+        kwargs: dict = {
+            "stop": tuple(msg.stop),
+            "stop_token_ids": tuple(msg.stop_token_ids),
+            "ignore_eos": msg.ignore_eos,
+            "include_stop_str_in_output": msg.include_stop_str_in_output,
+        }
+        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n"):
+            if msg.HasField(name):
+                kwargs[name] = getattr(msg, name)
+        return cls(**kwargs)
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        msg = common_pb2.SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, n=self.n,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        if self.seed is not None:
+            msg.seed = self.seed
+        if self.logprobs is not None:
+            msg.logprobs = self.logprobs
+        return msg

@@ -1,0 +1,72 @@
+"""Shared fixtures: a tiny random Llama with a real (small, locally trained) byte-level BPE tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Continuous batching keeps the accelerator busy; paged attention keeps memory tight.",
+    "Ünïcödé têxt, emoji 🚢⛴️ and 中文字符 must survive incremental detokenization.",
+    "def hello(world):\n    return f'hello {world}'\n",
+] * 20
+
+
+def build_tiny_tokenizer(path: Path, vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_tiny_llama(path: Path, *, tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
+                     num_key_value_heads: int = 2, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer(path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=num_key_value_heads, head_dim=16,
+        max_position_embeddings=1024, rope_theta=10000.0, rope_scaling=rope_scaling, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger weights than the default init, so greedy outputs vary with the prompt
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tied"), tie_word_embeddings=True,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+                            num_key_value_heads=1, seed=1)
