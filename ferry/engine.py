@@ -1,0 +1,115 @@
+"""The engine in one process: the scheduler's loop driving a worker. The services wrap exactly these parts."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from ferry.config import EngineConfig
+from ferry.sampling_params import SamplingParams
+from protos import scheduler_pb2, worker_pb2
+from scheduler.core import RequestOutput, Scheduler
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleResult]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.samples[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.samples[0].finish_reason
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, worker=None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        if worker is None:
+            from gpu_worker.worker import Worker
+            worker = Worker()
+        self.worker = worker
+        self.info = worker.init(init_request(self.config))
+        self.scheduler = Scheduler(self.config, self.info.num_blocks, self.info.block_size, self.info.max_model_len,
+                                   list(self.info.eos_token_ids), self.info.model_name)
+        self._tokenizer = None
+        self.ids = itertools.count()
+        self.last_step_seconds = 0.0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.info.model_path)
+        return self._tokenizer
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False).input_ids if prompt else []
+        if any(not 0 <= t < self.info.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {self.info.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        token_ids = self.encode(prompt)
+        self.scheduler.add_request(request_id, token_ids, params)
+        return token_ids
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        result = self.worker.step(step)
+        self.last_step_seconds = result.forward_seconds
+        return self.scheduler.update(step, result)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> scheduler_pb2.StatsResponse:
+        return self.scheduler.stats()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[GenerationResult]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        for prompt, p in zip(prompts, params_list):
+            request_id = f"gen-{next(self.ids)}"
+            token_ids = self.add_request(request_id, prompt, p)
+            results[request_id] = GenerationResult(request_id, token_ids, [SampleResult() for _ in range(p.n)])
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in results:
+                    sample = results[out.request_id].samples[out.index]
+                    sample.token_ids.extend(out.new_token_ids)
+                    sample.finish_reason = out.finish_reason or sample.finish_reason
+        for result in results.values():
+            for sample in result.samples:
+                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        return list(results.values())
+
+
+def init_request(config: EngineConfig) -> worker_pb2.InitRequest:
+    return worker_pb2.InitRequest(
+        model=config.model, dtype=config.dtype, device=config.device, kv_cache_memory=config.kv_cache_memory,
+        block_size=config.block_size, max_model_len=config.max_model_len,
+        attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)

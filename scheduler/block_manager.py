@@ -1,0 +1,183 @@
+"""The paged KV block manager: a fixed pool, ref counts, a prefix cache by chained block hash, LRU eviction,
+copy-on-write for shared partly filled blocks."""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from protos.block_hash import next_block_hash
+from scheduler.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None   # set once the block is full and registered in the prefix cache
+
+
+@dataclass
+class PrefixCacheCounters:
+    queries: int = 0      # prompt tokens looked up
+    hits: int = 0         # prompt tokens found
+    evictions: int = 0
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    root_hash: int
+    enable_prefix_caching: bool = True
+    reserve_tokens: int = 0            # contiguous baseline: every sequence reserves this many tokens up front
+    counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        # Unreferenced blocks, next to be reused first; cached ones stay findable until they reach the front.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached: dict[int, int] = {}           # block hash -> block id
+        self.pending_copies: list[tuple[int, int]] = []
+        self.stored_events: list[int] = []
+        self.removed_events: list[int] = []
+
+    # --- queries -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(max(num_tokens, self.reserve_tokens) / self.block_size)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    # --- prefix cache --------------------------------------------------------------------------------
+    def update_hashes(self, seq: Sequence) -> None:
+        full = seq.num_tokens // self.block_size
+        for i in range(len(seq.block_hashes), full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+            chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            seq.block_hashes.append(next_block_hash(parent, chunk))
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading tokens; the last token is always left to recompute."""
+        if not self.enable_prefix_caching or self.reserve_tokens:
+            return []
+        self.update_hashes(seq)
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in seq.block_hashes[:limit]:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.counters.queries += seq.num_tokens
+        self.counters.hits += len(hits) * self.block_size
+        return hits
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer seq's newly computed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching or self.reserve_tokens:
+            return
+        self.update_hashes(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_registered_blocks, full):
+            block = self.blocks[seq.block_ids[i]]
+            block_hash = seq.block_hashes[i]
+            if block.block_hash is None and block_hash not in self.cached:
+                block.block_hash = block_hash
+                self.cached[block_hash] = block.block_id
+                self.stored_events.append(block_hash)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        stored, removed = self.stored_events, self.removed_events
+        self.stored_events, self.removed_events = [], []
+        return stored, removed
+
+    # --- allocation ----------------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return needed + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Admit a waiting sequence: take its prefix hits, then fresh blocks for num_new_tokens more."""
+        if not self.can_allocate(seq, hits, num_new_tokens):
+            return False
+        for block_id in hits:
+            self.take(block_id)
+        seq.block_ids = list(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        seq.block_ids.extend(self.pop_free() for _ in range(self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+                                                            - len(hits)))
+        return True
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more KV entries of a running sequence (copy-on-write included)."""
+        first = seq.num_computed_tokens // self.block_size
+        needed = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids))
+        last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size + 1, len(seq.block_ids))
+        shared = [i for i in range(first, last) if self.blocks[seq.block_ids[i]].ref_count > 1]
+        if needed + len(shared) > self.num_free_blocks:
+            return False
+        for i in shared:
+            self.copy_on_write(seq, i)
+        seq.block_ids.extend(self.pop_free() for _ in range(needed))
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """child shares parent's blocks holding its first num_tokens tokens."""
+        child.block_ids = parent.block_ids[:math.ceil(num_tokens / self.block_size)]
+        for block_id in child.block_ids:
+            self.blocks[block_id].ref_count += 1
+        child.block_hashes = parent.block_hashes[:num_tokens // self.block_size]
+        child.num_registered_blocks = min(parent.num_registered_blocks, len(child.block_hashes))
+
+    def free(self, seq: Sequence) -> None:
+        # The tail blocks go in last-freed-first: they are the least likely to be shared again.
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.num_blocks_sent = 0
+
+    # --- internals -----------------------------------------------------------------------------------
+    def take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            self.removed_events.append(block.block_hash)
+            self.counters.evictions += 1
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def copy_on_write(self, seq: Sequence, index: int) -> None:
+        src = seq.block_ids[index]
+        dst = self.pop_free()
+        self.blocks[src].ref_count -= 1
+        seq.block_ids[index] = dst
+        if index < seq.num_blocks_sent:  # the worker holds the old table: send the sequence afresh
+            seq.num_blocks_sent = 0
+        self.pending_copies.append((src, dst))

@@ -1,0 +1,277 @@
+"""The continuous-batching scheduler: one token budget per step, shared by decodes and prefill chunks.
+
+Each step running sequences get their next tokens first (a decode: one token; an unfinished prefill: its next
+chunk), then waiting sequences are admitted in arrival order while the budget, max_num_seqs and the KV pool
+allow. When the pool runs dry, the newest running sequence is preempted: it yields every block and goes back to
+the front of the queue, to be recomputed later.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from ferry.config import EngineConfig
+from ferry.sampling_params import SamplingParams
+from protos import common_pb2, scheduler_pb2, worker_pb2
+from protos.block_hash import root_hash
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import Request, Sequence, SequenceStatus
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None        # None | "length" | "stop" | "abort"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StepCounters:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
+                 eos_token_ids: list[int], model_name: str):
+        self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        reserve = max_model_len if config.kv_layout == "contiguous" else 0
+        self.block_manager = BlockManager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          reserve_tokens=reserve)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.worker_seqs: set[str] = set()
+        self.freed_seq_ids: list[str] = []
+        self.arrivals = itertools.count()
+        self.counters = StepCounters()
+        self.scheduled: dict[str, tuple[Sequence, int]] = {}
+
+    # --- requests ------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(request_id, prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params)
+        first = self.new_sequence(request, 0, list(prompt_token_ids))
+        request.seqs.append(first)
+        request.forked = params.n == 1
+        self.requests[request_id] = request
+        self.waiting.append(first)
+
+    def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        needed = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
+                             f"blocks but the pool has only {self.block_manager.num_blocks}: it can never fit")
+
+    def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        return Sequence(f"{request.request_id}/{index}", request.request_id, index, token_ids,
+                        len(request.prompt_token_ids), request.params, next(self.arrivals))
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+            elif seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            if seq.status is not SequenceStatus.FINISHED:
+                self.release(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- scheduling ----------------------------------------------------------------------------------
+    def schedule(self) -> worker_pb2.StepRequest | None:
+        self.scheduled = {}
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:   # preempted by an older sequence this step
+                continue
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.make_room(seq, num_tokens):
+                preempted = True
+                continue
+            self.scheduled[seq.seq_id] = (seq, num_tokens)
+            budget -= num_tokens
+        if not preempted:
+            budget = self.admit_waiting(budget)
+        return self.build_step()
+
+    def make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
+        while not self.block_manager.append_slots(seq, num_tokens):
+            victim = max((s for s in self.running if s.seq_id not in self.scheduled), key=lambda s: s.arrival)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def admit_waiting(self, budget: int) -> int:
+        if self.config.batching == "static" and not self.cohort_open():
+            return budget
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            num_tokens = min(seq.num_tokens - len(hits) * self.block_size, budget)
+            if not self.block_manager.allocate(seq, hits, num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.index == 0 and seq.num_preemptions == 0:
+                self.requests[seq.request_id].num_cached_tokens = seq.num_computed_tokens
+            self.scheduled[seq.seq_id] = (seq, num_tokens)
+            budget -= num_tokens
+        return budget
+
+    def cohort_open(self) -> bool:
+        # Static batching: a cohort forms while none of it has produced a token, then runs until all are done.
+        return all(s.num_output_tokens == 0 for s in self.running)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq.seq_id in self.worker_seqs:
+            self.worker_seqs.discard(seq.seq_id)
+            self.freed_seq_ids.append(seq.seq_id)
+
+    def build_step(self) -> worker_pb2.StepRequest | None:
+        copies = self.block_manager.pending_copies
+        if not self.scheduled and not self.freed_seq_ids and not copies:
+            return None
+        self.counters.steps += 1
+        step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps)
+        step.block_copies.extend(worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies)
+        self.freed_seq_ids, self.block_manager.pending_copies = [], []
+        for seq, num_tokens in self.scheduled.values():
+            if seq.seq_id in self.worker_seqs and seq.num_blocks_sent > 0:
+                step.cached_seqs.add(seq_id=seq.seq_id, new_block_ids=seq.block_ids[seq.num_blocks_sent:],
+                                     num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_tokens)
+            else:
+                step.new_seqs.add(seq_id=seq.seq_id, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+                                  block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
+                                  num_scheduled_tokens=num_tokens, sampling=seq.params.to_proto(),
+                                  sample_index=seq.index)
+                self.worker_seqs.add(seq.seq_id)
+            seq.num_blocks_sent = len(seq.block_ids)
+        return step
+
+    # --- results -------------------------------------------------------------------------------------
+    def update(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> list[RequestOutput]:
+        for seq, num_tokens in self.scheduled.values():
+            if seq.status is not SequenceStatus.RUNNING:   # aborted while the step ran
+                continue
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.counters.prompt_tokens += min(num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+                if seq.num_computed_tokens + num_tokens < seq.num_tokens:
+                    self.counters.chunked_prefills += 1
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.register_full_blocks(seq)
+        outputs = [self.append_token(sampled) for sampled in result.sampled]
+        self.scheduled = {}
+        return [out for out in outputs if out is not None]
+
+    def append_token(self, sampled: worker_pb2.SampledToken) -> RequestOutput | None:
+        seq = self.sequence(sampled.seq_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:   # aborted meanwhile
+            return None
+        request = self.requests[seq.request_id]
+        seq.token_ids.append(sampled.token_id)
+        self.counters.generation_tokens += 1
+        output = RequestOutput(seq.request_id, seq.index, [sampled.token_id],
+                               num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens)
+        if sampled.HasField("logprob"):
+            output.new_logprobs.append(sampled.logprob)
+        if not request.forked:
+            self.fork(request, seq)
+        output.finish_reason, output.stop_token_id = self.finish_reason(seq, sampled.token_id)
+        if output.finish_reason:
+            self.finish(seq)
+        return output
+
+    def fork(self, request: Request, first: Sequence) -> None:
+        """The prompt is computed once; samples 1..n-1 share its blocks and recompute only its last token."""
+        prompt_len = len(request.prompt_token_ids)
+        for index in range(1, request.params.n):
+            child = self.new_sequence(request, index, list(request.prompt_token_ids))
+            self.block_manager.fork(first, child, prompt_len)
+            child.num_computed_tokens = prompt_len - 1
+            child.status = SequenceStatus.RUNNING
+            request.seqs.append(child)
+            self.running.append(child)
+        request.forked = True
+
+    def finish_reason(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
+        params = seq.params
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop", None
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        request = self.requests[seq.request_id]
+        if request.finished:
+            del self.requests[seq.request_id]
+
+    def sequence(self, seq_id: str) -> Sequence | None:
+        request_id, _, index = seq_id.rpartition("/")
+        request = self.requests.get(request_id)
+        if request is None or int(index) >= len(request.seqs):
+            return None
+        return request.seqs[int(index)]
+
+    # --- observability -------------------------------------------------------------------------------
+    def drain_kv_events(self) -> tuple[list[int], list[int]]:
+        return self.block_manager.drain_events()
+
+    def stats(self) -> scheduler_pb2.StatsResponse:
+        bm = self.block_manager
+        return scheduler_pb2.StatsResponse(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
+            block_size=self.block_size, prefix_cache_queries=bm.counters.queries,
+            prefix_cache_hits=bm.counters.hits, num_preemptions=self.counters.preemptions,
+            num_evictions=bm.counters.evictions,
+            waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in self.waiting),
+            running_tokens=sum(s.num_tokens for s in self.running),
+            prompt_tokens_total=self.counters.prompt_tokens, generation_tokens_total=self.counters.generation_tokens,
+            num_steps=self.counters.steps)

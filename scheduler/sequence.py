@@ -1,0 +1,57 @@
+"""Plain data: a sequence (one sample of a request) and the request that groups its n samples."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ferry.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int                                   # admission order: preemption takes the newest
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks of token_ids
+    num_registered_blocks: int = 0                 # leading blocks already offered to the prefix cache
+    num_blocks_sent: int = 0                       # leading block ids the worker already knows
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    forked: bool = False                           # the n-1 siblings of sample 0 exist
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.status is SequenceStatus.FINISHED for s in self.seqs)
