@@ -123,7 +123,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, shape: ModelShape, hf_config, max_positions: int):
+    def __init__(self, shape: ModelShape):
         super().__init__()
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
@@ -132,14 +132,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_cos_sin(hf_config, shape.head_dim, max_positions)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_cos = self.rope_sin = None   # float32 tables [max_positions, head_dim], set by the loader
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 batch: "AttentionBatch") -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # cast after lookup, as transformers does
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, batch)

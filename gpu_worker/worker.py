@@ -72,13 +72,13 @@ class Worker:
     @staticmethod
     def load_model(shape, hf_config, max_model_len, model_dir, dtype, device) -> LlamaForCausalLM:
         with torch.device("meta"):
-            model = LlamaForCausalLM(shape, hf_config, max_model_len)
+            model = LlamaForCausalLM(shape)
         model = model.to_empty(device=device)
         load_weights(model, model_dir)
-        # to_empty() left the rope tables uninitialised: rebuild them
+        model = model.to(dtype).eval()
         cos, sin = rope_cos_sin(hf_config, shape.head_dim, max_model_len)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-        return model.to(dtype).eval()
+        return model
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         if self.runner is None:

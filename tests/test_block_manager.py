@@ -1,0 +1,125 @@
+"""Block manager invariants under random workloads, and the prefix cache's hit / eviction behaviour."""
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ferry.config import EngineConfig
+from ferry.sampling_params import SamplingParams
+from protos import worker_pb2
+from protos.block_hash import hash_blocks, root_hash
+from scheduler.block_manager import BlockManager
+from scheduler.core import Scheduler
+from scheduler.sequence import Sequence
+
+BLOCK_SIZE = 4
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    live = [s for s in scheduler.running]
+    owners = Counter(b for s in live for b in s.block_ids)
+    for block in bm.blocks:
+        assert block.ref_count == owners.get(block.block_id, 0), "ref count disagrees with the block tables"
+        assert (block.ref_count == 0) == (block.block_id in bm.free_queue), "free queue disagrees with ref counts"
+    for seq in live:
+        assert len(set(seq.block_ids)) == len(seq.block_ids), "a sequence holds a block twice"
+        # waste: at most one partly filled block beyond what its tokens need
+        assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE) + 1
+    for block_hash, block_id in bm.cached.items():
+        assert bm.blocks[block_id].block_hash == block_hash
+
+
+def fake_step(scheduler: Scheduler, step: worker_pb2.StepRequest, token: int) -> worker_pb2.StepResult:
+    """What a worker returns: one token for every sequence whose known tokens are now all computed."""
+    result = worker_pb2.StepResult()
+    for seq, num_tokens in scheduler.scheduled.values():
+        if seq.num_computed_tokens + num_tokens == seq.num_tokens:
+            result.sampled.add(seq_id=seq.seq_id, token_id=token)
+    return result
+
+
+requests = st.lists(st.tuples(st.lists(st.integers(3, 12), min_size=1, max_size=30),   # prompt (few ids: sharing)
+                              st.integers(1, 12),                                       # max_tokens
+                              st.integers(1, 3)),                                       # n
+                    min_size=1, max_size=10)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests, num_blocks=st.integers(12, 40), budget=st.integers(1, 64),
+       prefix_caching=st.booleans(), abort_every=st.integers(0, 7), token=st.integers(3, 12))
+def test_blocks_are_never_shared_wrongly_and_all_come_back(requests, num_blocks, budget, prefix_caching,
+                                                           abort_every, token):
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching)
+    scheduler = Scheduler(config, num_blocks, BLOCK_SIZE, 64, [2], "m")
+    for i, (prompt, max_tokens, n) in enumerate(requests):
+        scheduler.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
+    for step_number in range(1, 500):
+        step = scheduler.schedule()
+        if step is None:
+            break
+        check_invariants(scheduler)
+        scheduler.update(step, fake_step(scheduler, step, token))
+        if abort_every and step_number % abort_every == 0 and scheduler.requests:
+            scheduler.abort_request(next(iter(scheduler.requests)))
+        check_invariants(scheduler)
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.block_manager.num_free_blocks == num_blocks
+
+
+def make_seq(seq_id: str, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, seq_id, 0, list(tokens), len(tokens), SamplingParams(), 0)
+
+
+def computed(bm: BlockManager, seq: Sequence) -> None:
+    seq.num_computed_tokens = seq.num_tokens
+    bm.register_full_blocks(seq)
+
+
+def test_hash_chain_is_deterministic_and_salted():
+    tokens = list(range(40))
+    assert hash_blocks(tokens, 16, "m") == hash_blocks(tokens, 16, "m")
+    assert len(hash_blocks(tokens, 16, "m")) == 2          # full blocks only
+    assert hash_blocks(tokens, 16, "m") != hash_blocks(tokens, 16, "other-model")
+    assert hash_blocks(tokens, 16, "m") != hash_blocks(tokens, 16, "m", seed=1)
+    changed = tokens[:]; changed[0] = 99
+    assert hash_blocks(changed, 16, "m")[1] != hash_blocks(tokens, 16, "m")[1]   # a block names its whole prefix
+
+
+def test_full_partial_and_missed_prefix_hits():
+    bm = BlockManager(16, BLOCK_SIZE, root_hash("m"))
+    first = make_seq("a", list(range(10)))          # blocks: [0-3] [4-7] [8,9]
+    assert bm.match_prefix(first) == []
+    assert bm.allocate(first, [], 10)
+    computed(bm, first)
+    same = make_seq("b", list(range(10)))
+    assert bm.match_prefix(same) == first.block_ids[:2]
+    partial = make_seq("c", list(range(6)) + [77, 78, 79])
+    assert bm.match_prefix(partial) == first.block_ids[:1]
+    other = make_seq("d", [50] + list(range(1, 10)))
+    assert bm.match_prefix(other) == []
+    exact = make_seq("e", list(range(8)))           # the last token is always recomputed
+    assert bm.match_prefix(exact) == first.block_ids[:1]
+
+
+def test_shared_blocks_are_ref_counted_and_evicted_least_recently_used_tail_first():
+    bm = BlockManager(6, BLOCK_SIZE, root_hash("m"))
+    a = make_seq("a", list(range(12)))              # three full blocks
+    bm.allocate(a, [], 12); computed(bm, a)
+    b = make_seq("b", list(range(12)) + [99])
+    hits = bm.match_prefix(b)
+    assert hits == a.block_ids
+    bm.allocate(b, hits, 1)
+    assert all(bm.blocks[x].ref_count == 2 for x in a.block_ids)
+    bm.free(a)
+    assert all(bm.blocks[x].ref_count == 1 for x in b.block_ids[:3])
+    bm.free(b)
+    assert bm.num_free_blocks == 6 and bm.num_cached_free_blocks == 3
+    # allocate 4 fresh blocks: the 3 never-cached first, then the cached tail block of the prefix goes first
+    c = make_seq("c", [200 + i for i in range(16)])
+    bm.allocate(c, [], 16)
+    stored, removed = bm.drain_events()
+    assert removed == [hash_blocks(list(range(12)), BLOCK_SIZE, "m")[2]]
+    assert bm.counters.evictions == 1

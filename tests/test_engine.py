@@ -1,0 +1,146 @@
+"""The in-process engine: continuous batching is token-exact against transformers, under any pressure."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ferry import Engine, EngineConfig, SamplingParams
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 12
+
+
+def tiny_engine(model_dir, **overrides) -> Engine:
+    config = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
+                  kv_cache_memory=1 << 22, max_model_len=256)
+    config.update(overrides)
+    return Engine(EngineConfig(**config))
+
+
+def kv_bytes_for(model_dir, num_blocks: int) -> int:
+    # the tiny model: 2 layers, 2 KV heads of 16 dims, float32
+    return num_blocks * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 400) for _ in range(rng.randrange(1, 48))] for _ in range(16)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, prompts) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    outputs = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def test_batched_greedy_generation_matches_transformers_token_for_token(tiny_llama_dir, prompts, reference):
+    engine = tiny_engine(tiny_llama_dir)
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == reference
+    assert all(r.finish_reason == "length" for r in results)
+
+
+def test_preempted_requests_finish_with_the_same_tokens(tiny_llama_dir, prompts, reference):
+    engine = tiny_engine(tiny_llama_dir, kv_cache_memory=kv_bytes_for(tiny_llama_dir, 24), max_model_len=64)
+    assert engine.info.num_blocks == 24
+    results = engine.generate(prompts, GREEDY)
+    assert engine.stats().num_preemptions > 0
+    assert [r.token_ids for r in results] == reference
+
+
+def test_prompts_chunked_by_a_small_token_budget_give_the_same_tokens(tiny_llama_dir, prompts, reference):
+    engine = tiny_engine(tiny_llama_dir, max_num_batched_tokens=7)
+    results = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.counters.chunked_prefills > 0
+    assert [r.token_ids for r in results] == reference
+
+
+def test_decodes_keep_running_while_a_long_prompt_is_chunked(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir, max_num_batched_tokens=8)
+    engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.add_request("long", list(range(10, 90)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    short_tokens_during_long_prefill = 0
+    while engine.scheduler.requests.get("long") and engine.scheduler.requests["long"].seqs[0].num_output_tokens == 0:
+        short_tokens_during_long_prefill += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == "short")
+    assert short_tokens_during_long_prefill >= 8   # 80 prompt tokens at <= 7 per step, one decode each step
+
+
+def test_static_and_contiguous_baselines_give_the_same_tokens(tiny_llama_dir, prompts, reference):
+    for overrides in ({"batching": "static", "max_num_seqs": 5}, {"kv_layout": "contiguous", "max_model_len": 64}):
+        engine = tiny_engine(tiny_llama_dir, **overrides)
+        assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == reference
+
+
+def test_abort_returns_every_block_to_the_pool(tiny_llama_dir, prompts):
+    engine = tiny_engine(tiny_llama_dir, enable_prefix_caching=False)
+    total = engine.stats().num_free_blocks
+    for i, prompt in enumerate(prompts[:6]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().num_free_blocks < total
+    for i in range(6):
+        assert engine.abort(f"r{i}")
+    assert engine.stats().num_free_blocks == total
+    assert not engine.has_unfinished_requests()
+    engine.step()   # the worker is told to drop the aborted sequences
+    assert engine.worker.runner.seqs == {}
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ([], dict(max_tokens=4), "prompt"),
+    (list(range(3, 200)), dict(max_tokens=100), "max_model_len"),
+    ([5, 6], dict(max_tokens=0), "max_tokens"),
+    ([5, 6], dict(temperature=-0.5), "temperature"),
+    ([5, 6], dict(top_p=0.0), "top_p"),
+    ([5, 6], dict(top_p=1.5), "top_p"),
+])
+def test_bad_input_is_a_clear_error_and_others_keep_running(tiny_llama_dir, prompt, params, field):
+    engine = tiny_engine(tiny_llama_dir)
+    engine.add_request("good", [5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    free_before = engine.stats().num_free_blocks
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("bad", prompt, SamplingParams(**params))
+    assert engine.stats().num_free_blocks == free_before
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "good") == 5
+
+
+def test_prompt_that_can_never_fit_the_pool_is_rejected(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir, kv_cache_memory=kv_bytes_for(tiny_llama_dir, 8))
+    with pytest.raises(ValueError, match="never fit"):
+        engine.add_request("huge", list(range(3, 43)), SamplingParams(max_tokens=4))
+
+
+def test_seeded_sampling_repeats_and_parallel_samples_share_the_prompt(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=7, n=3, ignore_eos=True)
+    first = engine.generate([list(range(3, 40))], params)[0]
+    again = engine.generate([list(range(3, 40)), list(range(50, 60))], [params, params])[0]
+    assert [s.token_ids for s in first.samples] == [s.token_ids for s in again.samples]
+    assert len({tuple(s.token_ids) for s in first.samples}) > 1
+    assert engine.stats().num_free_blocks == engine.info.num_blocks
+
+
+def test_stop_token_ids_and_eos_end_a_sequence(tiny_llama_dir, prompts, reference):
+    engine = tiny_engine(tiny_llama_dir)
+    stop_at = reference[0][3]
+    result = engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                           stop_token_ids=(stop_at,), ignore_eos=True))[0]
+    assert result.finish_reason == "stop"
+    assert result.token_ids == reference[0][:reference[0].index(stop_at) + 1]

@@ -1,0 +1,53 @@
+"""Prefix caching: shared prompt blocks are computed once, and a hit never changes outputs."""
+from __future__ import annotations
+
+import random
+
+from ferry import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def engine(model_dir, **overrides) -> Engine:
+    config = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=16, kv_cache_memory=1 << 24,
+                  max_model_len=1024)
+    config.update(overrides)
+    return Engine(EngineConfig(**config))
+
+
+def shared_prefix_prompts(count: int) -> list[list[int]]:
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 400) for _ in range(512)]
+    return [prefix + [rng.randrange(3, 400) for _ in range(rng.randrange(16, 40))] for _ in range(count)]
+
+
+def test_outputs_are_identical_with_prefix_caching_on_and_off(tiny_llama_dir):
+    prompts = shared_prefix_prompts(6)
+    cached = engine(tiny_llama_dir)
+    first_wave = cached.generate(prompts[:3], GREEDY)
+    second_wave = cached.generate(prompts, GREEDY)       # all hit the prefix now, some their whole prompt
+    uncached = engine(tiny_llama_dir, enable_prefix_caching=False).generate(prompts, GREEDY)
+    assert [r.token_ids for r in second_wave] == [r.token_ids for r in uncached]
+    assert [r.token_ids for r in first_wave] == [r.token_ids for r in uncached[:3]]
+    assert cached.stats().prefix_cache_hits > 0
+
+
+def test_a_shared_512_token_prefix_is_computed_once(tiny_llama_dir):
+    first, second = shared_prefix_prompts(2)
+    eng = engine(tiny_llama_dir)
+    eng.generate([first], GREEDY)
+    prompt_tokens_before = eng.stats().prompt_tokens_total
+    result = eng.generate([second], GREEDY)[0]
+    computed = eng.stats().prompt_tokens_total - prompt_tokens_before
+    assert computed == len(second) - 512                 # only the suffix
+    assert eng.stats().prefix_cache_hits >= 512
+    request_cached_tokens = 512
+    assert len(result.token_ids) == 8 and request_cached_tokens % 16 == 0
+
+
+def test_prefix_caching_off_computes_everything(tiny_llama_dir):
+    first, second = shared_prefix_prompts(2)
+    eng = engine(tiny_llama_dir, enable_prefix_caching=False)
+    eng.generate([first, second], GREEDY)
+    assert eng.stats().prompt_tokens_total == len(first) + len(second)
+    assert eng.stats().prefix_cache_hits == 0
