@@ -38,6 +38,7 @@ class BlockManager:
         # Unreferenced blocks, next to be reused first; cached ones stay findable until they reach the front.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self.cached: dict[int, int] = {}           # block hash -> block id
+        self.num_cached_free_blocks = 0            # free blocks still holding a reusable prefix
         self.pending_copies: list[tuple[int, int]] = []
         self.stored_events: list[int] = []
         self.removed_events: list[int] = []
@@ -46,10 +47,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(max(num_tokens, self.reserve_tokens) / self.block_size)
@@ -77,8 +74,6 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.counters.queries += seq.num_tokens
-        self.counters.hits += len(hits) * self.block_size
         return hits
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -113,6 +108,9 @@ class BlockManager:
             return False
         for block_id in hits:
             self.take(block_id)
+        if self.enable_prefix_caching and not self.reserve_tokens:
+            self.counters.queries += seq.num_tokens
+            self.counters.hits += len(hits) * self.block_size
         seq.block_ids = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
@@ -150,6 +148,8 @@ class BlockManager:
                 self.free_queue[block_id] = None
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.num_cached_free_blocks += 1
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -160,6 +160,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_queue[block_id]
+            self.num_cached_free_blocks -= block.block_hash is not None
         block.ref_count += 1
 
     def pop_free(self) -> int:
@@ -169,6 +170,7 @@ class BlockManager:
             del self.cached[block.block_hash]
             self.removed_events.append(block.block_hash)
             self.counters.evictions += 1
+            self.num_cached_free_blocks -= 1
             block.block_hash = None
         block.ref_count = 1
         return block_id

@@ -59,6 +59,7 @@ class Scheduler:
         self.arrivals = itertools.count()
         self.counters = StepCounters()
         self.scheduled: dict[str, tuple[Sequence, int]] = {}
+        self.cohort: set[str] = set()            # static batching: the requests of the batch in flight
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -78,6 +79,8 @@ class Scheduler:
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         needed = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
@@ -98,6 +101,7 @@ class Scheduler:
                 self.running.remove(seq)
             if seq.status is not SequenceStatus.FINISHED:
                 self.release(seq)
+                seq.status = SequenceStatus.FINISHED
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -107,8 +111,11 @@ class Scheduler:
     def schedule(self) -> worker_pb2.StepRequest | None:
         self.scheduled = {}
         budget = self.config.max_num_batched_tokens
+        # decodes first, then unfinished prefill chunks: a long prompt never stalls the running decodes
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         preempted = False
-        for seq in list(self.running):
+        for seq in itertools.chain(decodes, prefills):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted by an older sequence this step
@@ -120,7 +127,7 @@ class Scheduler:
             self.scheduled[seq.seq_id] = (seq, num_tokens)
             budget -= num_tokens
         if not preempted:
-            budget = self.admit_waiting(budget)
+            self.admit_waiting(budget)
         return self.build_step()
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
@@ -132,27 +139,38 @@ class Scheduler:
                 return False
         return True
 
-    def admit_waiting(self, budget: int) -> int:
-        if self.config.batching == "static" and not self.cohort_open():
-            return budget
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def admit_waiting(self, budget: int) -> None:
+        static = self.config.batching == "static"
+        if static and not self.running:
+            self.cohort = set()
+        num_seats = sum(self.seats(s) for s in self.running) if self.waiting else 0
+        while self.waiting and (budget > 0 or static):
             seq = self.waiting[0]
-            hits = self.block_manager.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+            request = self.requests[seq.request_id]
+            seats = self.seats(seq)
+            if num_seats + seats > self.config.max_num_seqs:
+                break
+            if static and self.running and seq.request_id not in self.cohort:
+                break                                      # static batching: no joins mid-flight
+            hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, budget)
             if not self.block_manager.allocate(seq, hits, num_tokens):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_seats += seats
+            if static:
+                self.cohort.add(seq.request_id)
             if seq.index == 0 and seq.num_preemptions == 0:
-                self.requests[seq.request_id].num_cached_tokens = seq.num_computed_tokens
-            self.scheduled[seq.seq_id] = (seq, num_tokens)
+                request.num_cached_tokens = seq.num_computed_tokens
+            if num_tokens:
+                self.scheduled[seq.seq_id] = (seq, num_tokens)
             budget -= num_tokens
-        return budget
 
-    def cohort_open(self) -> bool:
-        # Static batching: a cohort forms while none of it has produced a token, then runs until all are done.
-        return all(s.num_output_tokens == 0 for s in self.running)
+    def seats(self, seq: Sequence) -> int:
+        """Batch slots seq holds: sample 0 of an n > 1 request keeps n until its siblings are forked."""
+        return 1 if self.requests[seq.request_id].forked else seq.params.n
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
