@@ -1,0 +1,24 @@
+"""`python -m gpu_worker --socket PATH`: serve one Worker on a unix socket (normally spawned by its scheduler)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
+    parser.add_argument("--socket", required=True, help="unix socket path to listen on")
+    parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the scheduler) dies")
+    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(message)s")
+    from gpu_worker.server import exit_with_parent, serve
+
+    if args.parent_pid:
+        exit_with_parent(args.parent_pid)
+    serve(args.socket)
+
+
+if __name__ == "__main__":
+    main()

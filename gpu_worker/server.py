@@ -1,0 +1,74 @@
+"""The worker behind gRPC on a unix socket: one Step at a time, co-located with (and supervised by) its scheduler."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 256 << 20
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, health_servicer: health.HealthServicer):
+        from gpu_worker.worker import Worker
+
+        self.worker = Worker()
+        self.health = health_servicer
+        self.lock = threading.Lock()     # the scheduler sends one step at a time; this keeps it so
+
+    def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
+        try:
+            with self.lock:
+                response = self.worker.init(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.health.set("ferry.Worker", health_pb2.HealthCheckResponse.SERVING)
+        return response
+
+    def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
+        with self.lock:
+            return self.worker.step(request)
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """The worker must never outlive its scheduler, even one killed with SIGKILL."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def serve(socket_path: str) -> None:
+    health_servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(health_servicer), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"unix:{socket_path}")
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("ferry.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.start()
+    log.info("worker serving on unix:%s", socket_path)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1).wait()

@@ -1,0 +1,33 @@
+"""`python -m router`: a stateless router; finds schedulers in Redis (or takes them from --scheduler)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from router.policy import POLICIES
+from router.server import RouterOptions, serve
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", ""))
+    parser.add_argument("--scheduler", action="append", default=[], metavar="HOST:PORT",
+                        help="a scheduler to use when Redis is unreachable (repeatable)")
+    parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
+    parser.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
+    if not args.redis_url and not args.scheduler:
+        parser.error("give --redis-url or at least one --scheduler")
+    options = RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy)
+    return asyncio.run(serve(options))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

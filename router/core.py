@@ -1,0 +1,176 @@
+"""The router's request path, independent of the wire: validate → tokenize → route → proxy → detokenize.
+
+`Router.generate` is an async generator of GenerateResponse that the gRPC service (and an HTTP layer) reuse;
+failures are RequestError with a gRPC status code and a reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from ferry.sampling_params import SamplingParams
+from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.block_hash import hash_blocks
+from router.detokenizer import IncrementalDetokenizer
+from router.discovery import SchedulerDirectory
+from router.policy import RoutingInput, RoutingPolicy, least_loaded
+from router.tokenizer import RouterTokenizer, load_tokenizer
+from scheduler.registry import SchedulerInfo
+
+MAX_ATTEMPTS = 3
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class SampleState:
+    detokenizer: IncrementalDetokenizer
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class StreamState:
+    """What the router tracks for one request while proxying its scheduler's stream."""
+    request_id: str
+    num_prompt_tokens: int
+    samples: list[SampleState]
+    num_cached_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
+                                completion_tokens=sum(s.num_tokens for s in self.samples),
+                                cached_prompt_tokens=self.num_cached_tokens)
+
+    def on_response(self, upstream: scheduler_pb2.ScheduleResponse) -> router_pb2.GenerateResponse | None:
+        sample = self.samples[upstream.index]
+        if sample.finished:   # already ended by a stop string
+            return None
+        self.num_cached_tokens = max(self.num_cached_tokens, upstream.num_cached_tokens)
+        sample.num_tokens += len(upstream.token_ids)
+        finish = upstream.finish_reason
+        delta = sample.detokenizer.add(list(upstream.token_ids), final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
+        response = router_pb2.GenerateResponse(request_id=self.request_id, index=upstream.index,
+                                               token_ids=upstream.token_ids, text=delta.text,
+                                               logprobs=upstream.logprobs)
+        if delta.stop_string is not None:
+            finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
+        elif upstream.stop_token_id:
+            response.stop_reason = str(upstream.stop_token_id)
+        if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+            response.finish_reason = finish
+            sample.finished = True
+            if self.done:
+                response.usage.CopyFrom(self.usage())
+        return response
+
+
+@dataclass
+class Router:
+    directory: SchedulerDirectory
+    policy: RoutingPolicy = least_loaded
+    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    async def generate(self, request: router_pb2.GenerateRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
+        params = parse_sampling(request)
+        candidates = self.candidates(request.model)
+        tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
+        prompt_ids = prompt_token_ids(request, tokenizer)
+        check_length(prompt_ids, params, candidates[0])
+        hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
+        ranked = self.policy(candidates, RoutingInput(prompt_ids, hashes, dict(self.pending)))
+        state = StreamState(request.request_id or uuid.uuid4().hex, len(prompt_ids),
+                            [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
+                                                                params.include_stop_str_in_output))
+                             for _ in range(params.n)])
+        upstream = scheduler_pb2.ScheduleRequest(request_id=state.request_id, prompt_token_ids=prompt_ids,
+                                                 sampling=params.to_proto())
+        async for response in self.proxy(ranked, upstream, state):
+            yield response
+
+    def candidates(self, model: str) -> list[SchedulerInfo]:
+        schedulers = self.directory.schedulers()
+        if not schedulers:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
+        if model:
+            serving = [s for s in schedulers if s.model == model]
+            if not serving:
+                names = sorted({s.model for s in schedulers})
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"model {model!r} is not served here (serving: {', '.join(names)})")
+            return serving
+        return schedulers
+
+    async def proxy(self, ranked: list[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest,
+                    state: StreamState) -> AsyncIterator[router_pb2.GenerateResponse]:
+        for target in ranked[:MAX_ATTEMPTS]:
+            started = False
+            self.pending[target.scheduler_id] += 1
+            call = scheduler_pb2_grpc.SchedulerStub(self.directory.channel(target.address)).Generate(upstream)
+            try:
+                async for message in call:
+                    response = state.on_response(message)
+                    if response is not None:
+                        started = True
+                        yield response
+                    if state.done:
+                        return
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and not started:
+                    self.directory.forget(target.scheduler_id)
+                    continue
+                raise RequestError(e.code(), e.details() or e.code().name) from e
+            finally:
+                call.cancel()   # client gone, stop string matched, or done: the scheduler aborts what remains
+                self.pending[target.scheduler_id] -= 1
+        raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
+
+
+def parse_sampling(request: router_pb2.GenerateRequest) -> SamplingParams:
+    try:
+        return SamplingParams.from_proto(request.sampling)
+    except (ValueError, TypeError) as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+
+
+def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    try:
+        if kind == "text":
+            ids = tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        elif kind == "chat":
+            ids = tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        else:
+            ids = []
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+    if not ids:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
+    return ids
+
+
+def check_length(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:
+    if target.vocab_size and any(t >= target.vocab_size for t in prompt_ids):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt token ids must lie in [0, {target.vocab_size})")
+    if target.max_model_len and len(prompt_ids) + params.max_tokens > target.max_model_len:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                           f"max_model_len ({target.max_model_len})")

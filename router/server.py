@@ -1,0 +1,61 @@
+"""The router's gRPC face: Router.Generate over router.core.Router, plus standard health checking."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos import router_pb2, router_pb2_grpc
+from router.core import RequestError, Router
+from router.discovery import SchedulerDirectory
+from router.policy import POLICIES
+
+log = logging.getLogger(__name__)
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for response in self.router.generate(request):
+                yield response
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+
+@dataclass
+class RouterOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str = ""
+    schedulers: list[str] = field(default_factory=list)
+    model_path: str = ""
+    policy: str = "least_loaded"
+
+
+async def serve(options: RouterOptions) -> int:
+    directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path)
+    await directory.start()
+    router = Router(directory, POLICIES[options.policy])
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("ferry.Router", health_pb2.HealthCheckResponse.SERVING)
+    print(f"router serving gRPC on {options.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2)
+    await directory.close()
+    return 0

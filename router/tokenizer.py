@@ -1,0 +1,76 @@
+"""The router's tokenizer: the model's tokenizer.json and chat template, without transformers (hence no torch).
+
+Encoding and decoding match transformers' fast tokenizer as the engine uses it (no special tokens added on
+encode, special tokens skipped on decode); chat prompts are rendered with the model's Jinja chat template the way
+transformers' apply_chat_template does.
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def special_token_text(value) -> str:
+    if isinstance(value, dict):
+        return value.get("content", "")
+    return value or ""
+
+
+class RouterTokenizer:
+    def __init__(self, model_path: str):
+        path = Path(model_path)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.chat_template = self.load_chat_template(path)
+
+    def load_chat_template(self, path: Path) -> str | None:
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        template = self.config.get("chat_template")
+        if isinstance(template, list):   # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return template
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template: send a text prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=special_token_text(self.config.get("bos_token")),
+                eos_token=special_token_text(self.config.get("eos_token")))
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(model_path: str) -> RouterTokenizer:
+    return RouterTokenizer(model_path)

@@ -1,0 +1,275 @@
+"""The scheduler as an asyncio gRPC service: the continuous-batching loop around scheduler.core.Scheduler.
+
+Each iteration: schedule → worker.Step (its own process, over a unix socket) → update → every RequestOutput goes
+to its request's stream at once. A stream that goes away aborts its request before the next schedule().
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ferry.config import EngineConfig
+from ferry.engine import init_request
+from ferry.sampling_params import SamplingParams
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler.core import RequestOutput, Scheduler
+from scheduler.registry import Registry, SchedulerInfo
+
+log = logging.getLogger(__name__)
+FINISH_REASONS = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "length": common_pb2.FINISH_REASON_LENGTH,
+                  "stop": common_pb2.FINISH_REASON_STOP, "abort": common_pb2.FINISH_REASON_ABORT}
+GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+WORKER_START_TIMEOUT_S = 300.0
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+class WorkerProcess:
+    """The co-located worker: a child process serving gpu_worker on a unix socket in a private temp dir."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ferry-worker-")
+        self.socket_path = os.path.join(self.dir, "worker.sock")
+        self.process: subprocess.Popen | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+
+    async def start(self, config: EngineConfig) -> worker_pb2.InitResponse:
+        self.process = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--socket", self.socket_path,
+                                         "--parent-pid", str(os.getpid())])
+        self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}", options=GRPC_OPTIONS)
+        await self.wait_until_serving()
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        return await self.stub.Init(init_request(config))
+
+    async def wait_until_serving(self) -> None:
+        health_stub = health_pb2_grpc.HealthStub(self.channel)
+        deadline = asyncio.get_running_loop().time() + WORKER_START_TIMEOUT_S
+        while asyncio.get_running_loop().time() < deadline:
+            if self.process.poll() is not None:
+                raise WorkerFailed(f"worker exited with code {self.process.returncode} while starting")
+            try:
+                await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                return
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.1)
+        raise WorkerFailed("worker did not start in time")
+
+    async def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        try:
+            return await self.stub.Step(step)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerFailed(f"worker step failed: {e.code().name}: {e.details()}") from e
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                await asyncio.to_thread(self.process.wait, 10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class RequestStream:
+    num_samples: int
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | Exception
+
+
+class EngineLoop:
+    """Owns the core Scheduler and its worker; the only code that calls schedule/update."""
+
+    def __init__(self, config: EngineConfig, worker: WorkerProcess, info: worker_pb2.InitResponse):
+        self.config = config
+        self.worker = worker
+        self.info = info
+        self.scheduler = Scheduler(config, info.num_blocks, info.block_size, info.max_model_len,
+                                   list(info.eos_token_ids), info.model_name)
+        self.streams: dict[str, RequestStream] = {}
+        self.wakeup = asyncio.Event()
+        self.on_kv_events = lambda stored, removed: None
+        self.failure: str | None = None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        if self.failure:
+            raise WorkerFailed(self.failure)
+        if any(t >= self.info.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.info.vocab_size})")
+        self.scheduler.add_request(request_id, prompt_token_ids, params)
+        stream = self.streams[request_id] = RequestStream(params.n)
+        self.wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        self.streams.pop(request_id, None)
+        return self.scheduler.abort_request(request_id)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                step = self.scheduler.schedule()
+                if step is None:
+                    await self.wait_for_work()
+                    continue
+                result = await self.worker.step(step)
+                self.deliver(self.scheduler.update(step, result))
+                self.on_kv_events(*self.scheduler.drain_kv_events())
+        except WorkerFailed as e:
+            self.fail_everything(str(e))
+
+    async def wait_for_work(self) -> None:
+        self.wakeup.clear()
+        if self.scheduler.has_unfinished_requests():
+            await asyncio.sleep(0.001)   # e.g. only freed ids pending: look again soon
+        else:
+            await self.wakeup.wait()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is not None:
+                stream.outputs.put_nowait(out)
+
+    def fail_everything(self, reason: str) -> None:
+        log.error("%s; failing %d in-flight requests", reason, len(self.streams))
+        self.failure = reason
+        for request_id, stream in list(self.streams.items()):
+            stream.outputs.put_nowait(WorkerFailed(reason))
+            self.scheduler.abort_request(request_id)
+        self.streams.clear()
+
+    def load(self) -> scheduler_pb2.StatsResponse:
+        return self.scheduler.stats()
+
+
+def to_response(out: RequestOutput, first: bool) -> scheduler_pb2.ScheduleResponse:
+    response = scheduler_pb2.ScheduleResponse(index=out.index, token_ids=out.new_token_ids,
+                                              logprobs=out.new_logprobs,
+                                              finish_reason=FINISH_REASONS[out.finish_reason])
+    if out.stop_token_id is not None:
+        response.stop_token_id = out.stop_token_id
+    if first:
+        response.num_prompt_tokens = out.num_prompt_tokens
+        response.num_cached_tokens = out.num_cached_tokens
+    return response
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, loop: EngineLoop, scheduler_id: str):
+        self.loop = loop
+        self.scheduler_id = scheduler_id
+
+    async def Generate(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext):
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            params = SamplingParams.from_proto(request.sampling)
+            stream = self.loop.add_request(request_id, list(request.prompt_token_ids), params)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except WorkerFailed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finished, first = 0, True
+        try:
+            while finished < stream.num_samples:
+                out = await stream.outputs.get()
+                if isinstance(out, Exception):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
+                yield to_response(out, first)
+                first = False
+                finished += out.finish_reason is not None
+        finally:
+            if finished < stream.num_samples:   # the caller went away (or a stop string matched upstream)
+                self.loop.abort(request_id)
+            self.loop.streams.pop(request_id, None)
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
+        return scheduler_pb2.AbortResponse(found=self.loop.abort(request.request_id))
+
+    async def Stats(self, request: scheduler_pb2.StatsRequest, context) -> scheduler_pb2.StatsResponse:
+        stats = self.loop.load()
+        stats.scheduler_id = self.scheduler_id
+        return stats
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    redis_url: str = ""
+    scheduler_id: str = ""
+    heartbeat_ttl: float = 3.0
+
+
+def advertised_address(options: ServeOptions, port: int) -> str:
+    host = options.advertise_host or options.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+async def serve(config: EngineConfig, options: ServeOptions) -> int:
+    """Serve until SIGTERM/SIGINT (exit code 0) or until the worker fails (1)."""
+    config.validate()
+    worker = WorkerProcess()
+    try:
+        info = await worker.start(config)
+        loop = EngineLoop(config, worker, info)
+        scheduler_id = options.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop, scheduler_id), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port(f"{options.host}:{options.port}")
+        await server.start()
+        address = advertised_address(options, port)
+
+        def registration() -> SchedulerInfo:
+            stats = loop.scheduler.stats()
+            return SchedulerInfo(scheduler_id, address, info.model_name, info.model_path, info.block_size,
+                                 info.max_model_len, info.vocab_size, config.hash_seed, stats.num_waiting,
+                                 stats.num_running, stats.waiting_tokens, stats.running_tokens)
+
+        registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl) if options.redis_url else None
+        if registry:
+            loop.on_kv_events = registry.push_kv_events
+            registry.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("ferry.Scheduler", health_pb2.HealthCheckResponse.SERVING)
+        print(f"scheduler {scheduler_id} serving {info.model_name} on {address} "
+              f"({info.num_blocks} blocks of {info.block_size})", flush=True)
+        await run_until_signalled(loop, server, registry)
+        return 1 if loop.failure else 0
+    finally:
+        await worker.stop()
+
+
+async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, registry: Registry | None) -> None:
+    import signal
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    loop_task = asyncio.create_task(loop.run())
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait([loop_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+    if registry:
+        await registry.close()
+    await server.stop(grace=2)
+    loop_task.cancel()
