@@ -141,7 +141,8 @@ class Scheduler:
 
     def admit_waiting(self, budget: int) -> None:
         static = self.config.batching == "static"
-        if static and not self.running:
+        closed = static and bool(self.running)             # static batching: no joins mid-flight
+        if static and not closed:
             self.cohort = set()
         num_seats = sum(self.seats(s) for s in self.running) if self.waiting else 0
         while self.waiting and (budget > 0 or static):
@@ -150,8 +151,8 @@ class Scheduler:
             seats = self.seats(seq)
             if num_seats + seats > self.config.max_num_seqs:
                 break
-            if static and self.running and seq.request_id not in self.cohort:
-                break                                      # static batching: no joins mid-flight
+            if closed and seq.request_id not in self.cohort:
+                break
             hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, budget)
             if not self.block_manager.allocate(seq, hits, num_tokens):

@@ -30,6 +30,7 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE) + 1
     for block_hash, block_id in bm.cached.items():
         assert bm.blocks[block_id].block_hash == block_hash
+    assert bm.num_cached_free_blocks == sum(bm.blocks[b].block_hash is not None for b in bm.free_queue)
 
 
 def fake_step(scheduler: Scheduler, step: worker_pb2.StepRequest, token: int) -> worker_pb2.StepResult:
