@@ -26,8 +26,8 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert (block.ref_count == 0) == (block.block_id in bm.free_queue), "free queue disagrees with ref counts"
     for seq in live:
         assert len(set(seq.block_ids)) == len(seq.block_ids), "a sequence holds a block twice"
-        # waste: at most one partly filled block beyond what its tokens need
-        assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE) + 1
+        # waste: no block beyond what its known tokens need, so less than one block's slots per sequence
+        assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE)
     for block_hash, block_id in bm.cached.items():
         assert bm.blocks[block_id].block_hash == block_hash
     assert bm.num_cached_free_blocks == sum(bm.blocks[b].block_hash is not None for b in bm.free_queue)
@@ -124,3 +124,18 @@ def test_shared_blocks_are_ref_counted_and_evicted_least_recently_used_tail_firs
     stored, removed = bm.drain_events()
     assert removed == [hash_blocks(list(range(12)), BLOCK_SIZE, "m")[2]]
     assert bm.counters.evictions == 1
+
+
+def test_the_least_recently_freed_prefix_is_evicted_first():
+    bm = BlockManager(4, BLOCK_SIZE, root_hash("m"))
+    old, new = make_seq("old", list(range(8))), make_seq("new", list(range(100, 108)))
+    for seq in (old, new):
+        bm.allocate(seq, [], 8); computed(bm, seq)
+    bm.free(old); bm.free(new)
+    assert bm.num_cached_free_blocks == 4
+    taker = make_seq("taker", [300, 301])
+    bm.allocate(taker, [], 2)
+    stored, removed = bm.drain_events()
+    assert removed == [hash_blocks(list(range(8)), BLOCK_SIZE, "m")[1]]   # the older sequence's tail block
+    assert len(bm.match_prefix(make_seq("again", list(range(100, 109))))) == 2
+    assert len(bm.match_prefix(make_seq("old-again", list(range(9))))) == 1

@@ -121,10 +121,16 @@ def test_bad_input_is_a_clear_error_and_others_keep_running(tiny_llama_dir, prom
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "good") == 5
 
 
-def test_prompt_that_can_never_fit_the_pool_is_rejected(tiny_llama_dir):
+def test_prompt_that_can_never_fit_the_pool_is_rejected_and_others_keep_running(tiny_llama_dir):
     engine = tiny_engine(tiny_llama_dir, kv_cache_memory=kv_bytes_for(tiny_llama_dir, 8))
-    with pytest.raises(ValueError, match="never fit"):
+    engine.add_request("good", [5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="prompt.*never fit"):
         engine.add_request("huge", list(range(3, 43)), SamplingParams(max_tokens=4))
+    assert engine.stats().num_free_blocks == 8
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs] == ["good"] * 5
 
 
 def test_seeded_sampling_repeats_and_parallel_samples_share_the_prompt(tiny_llama_dir):

@@ -37,12 +37,16 @@ def test_a_shared_512_token_prefix_is_computed_once(tiny_llama_dir):
     eng = engine(tiny_llama_dir)
     eng.generate([first], GREEDY)
     prompt_tokens_before = eng.stats().prompt_tokens_total
-    result = eng.generate([second], GREEDY)[0]
-    computed = eng.stats().prompt_tokens_total - prompt_tokens_before
-    assert computed == len(second) - 512                 # only the suffix
-    assert eng.stats().prefix_cache_hits >= 512
-    request_cached_tokens = 512
-    assert len(result.token_ids) == 8 and request_cached_tokens % 16 == 0
+    eng.add_request("second", second, GREEDY)
+    step = eng.scheduler.schedule()
+    assert [s.num_computed_tokens for s in step.new_seqs] == [512]
+    assert [s.num_scheduled_tokens for s in step.new_seqs] == [len(second) - 512]   # only the suffix
+    outputs = eng.scheduler.update(step, eng.worker.step(step))
+    while eng.has_unfinished_requests():
+        outputs += eng.step()
+    assert outputs[0].num_cached_tokens == 512 and sum(len(o.new_token_ids) for o in outputs) == 8
+    assert eng.stats().prompt_tokens_total - prompt_tokens_before == len(second) - 512
+    assert eng.stats().prefix_cache_hits == 512
 
 
 def test_prefix_caching_off_computes_everything(tiny_llama_dir):
