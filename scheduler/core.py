@@ -59,6 +59,7 @@ class Scheduler:
         self.arrivals = itertools.count()
         self.counters = StepCounters()
         self.scheduled: dict[str, tuple[Sequence, int]] = {}
+        self.budget = 0                           # tokens left to hand out in the step being scheduled
         self.cohort: set[str] = set()            # static batching: the requests of the batch in flight
 
     # --- requests ------------------------------------------------------------------------------------
@@ -110,42 +111,42 @@ class Scheduler:
     # --- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> worker_pb2.StepRequest | None:
         self.scheduled = {}
-        budget = self.config.max_num_batched_tokens
+        self.budget = self.config.max_num_batched_tokens
         # decodes first, then unfinished prefill chunks: a long prompt never stalls the running decodes
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         preempted = False
         for seq in itertools.chain(decodes, prefills):
-            if budget == 0:
+            if self.budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:   # preempted by an older sequence this step
+            if seq.status is not SequenceStatus.RUNNING:   # preempted this step to make room for an older one
                 continue
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
             if not self.make_room(seq, num_tokens):
                 preempted = True
                 continue
             self.scheduled[seq.seq_id] = (seq, num_tokens)
-            budget -= num_tokens
+            self.budget -= num_tokens
         if not preempted:
-            self.admit_waiting(budget)
+            self.admit_waiting()
         return self.build_step()
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
         while not self.block_manager.append_slots(seq, num_tokens):
-            victim = max((s for s in self.running if s.seq_id not in self.scheduled), key=lambda s: s.arrival)
+            victim = max(self.running, key=lambda s: s.arrival)
             self.preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def admit_waiting(self, budget: int) -> None:
+    def admit_waiting(self) -> None:
         static = self.config.batching == "static"
         closed = static and bool(self.running)             # static batching: no joins mid-flight
         if static and not closed:
             self.cohort = set()
         num_seats = sum(self.seats(s) for s in self.running) if self.waiting else 0
-        while self.waiting and (budget > 0 or static):
+        while self.waiting and (self.budget > 0 or static):
             seq = self.waiting[0]
             request = self.requests[seq.request_id]
             seats = self.seats(seq)
@@ -154,7 +155,7 @@ class Scheduler:
             if closed and seq.request_id not in self.cohort:
                 break
             hits = self.block_manager.match_prefix(seq)
-            num_tokens = min(seq.num_tokens - len(hits) * self.block_size, budget)
+            num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
             if not self.block_manager.allocate(seq, hits, num_tokens):
                 break
             self.waiting.popleft()
@@ -167,13 +168,15 @@ class Scheduler:
                 request.num_cached_tokens = seq.num_computed_tokens
             if num_tokens:
                 self.scheduled[seq.seq_id] = (seq, num_tokens)
-            budget -= num_tokens
+            self.budget -= num_tokens
 
     def seats(self, seq: Sequence) -> int:
         """Batch slots seq holds: sample 0 of an n > 1 request keeps n until its siblings are forked."""
         return 1 if self.requests[seq.request_id].forked else seq.params.n
 
     def preempt(self, seq: Sequence) -> None:
+        _, num_tokens = self.scheduled.pop(seq.seq_id, (seq, 0))
+        self.budget += num_tokens
         self.running.remove(seq)
         self.release(seq)
         seq.status = SequenceStatus.WAITING
