@@ -90,11 +90,18 @@ class Engine:
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[GenerationResult]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"params: got {len(params_list)} for {len(prompts)} prompts")
         results: dict[str, GenerationResult] = {}
-        for prompt, p in zip(prompts, params_list):
-            request_id = f"gen-{next(self.ids)}"
-            token_ids = self.add_request(request_id, prompt, p)
-            results[request_id] = GenerationResult(request_id, token_ids, [SampleResult() for _ in range(p.n)])
+        try:
+            for prompt, p in zip(prompts, params_list):
+                request_id = f"gen-{next(self.ids)}"
+                token_ids = self.add_request(request_id, prompt, p)
+                results[request_id] = GenerationResult(request_id, token_ids, [SampleResult() for _ in range(p.n)])
+        except ValueError:
+            for request_id in results:   # all or nothing: a bad prompt leaves no half-submitted batch behind
+                self.abort(request_id)
+            raise
         while self.has_unfinished_requests():
             for out in self.step():
                 if out.request_id in results:

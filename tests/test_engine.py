@@ -150,3 +150,11 @@ def test_stop_token_ids_and_eos_end_a_sequence(tiny_llama_dir, prompts, referenc
                                                            stop_token_ids=(stop_at,), ignore_eos=True))[0]
     assert result.finish_reason == "stop"
     assert result.token_ids == reference[0][:reference[0].index(stop_at) + 1]
+
+
+def test_generate_with_one_bad_prompt_submits_none_of_them(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate([[5, 6, 7], []], SamplingParams(temperature=0, max_tokens=3))
+    assert not engine.has_unfinished_requests()
+    assert engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].finish_reason is not None
