@@ -1,0 +1,88 @@
+"""`ferry up` starts the whole stack, answers `ferry generate`, and leaves no process behind after SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ferry.launcher import free_port
+from tests.services_fixtures import wait_until
+
+FERRY = str(Path(sys.executable).parent / "ferry")
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/environ").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def start_ferry_up(*flags: str) -> tuple[subprocess.Popen, str, str]:
+    marker = f"FERRY_TEST_MARKER={uuid.uuid4().hex}"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING", marker.split("=")[0]: marker}
+    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--heartbeat-ttl", "2", *flags], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return up, f"127.0.0.1:{port}", marker
+
+
+def wait_until_ready(up: subprocess.Popen) -> str:
+    lines = []
+    for line in up.stdout:
+        lines.append(line)
+        if line.startswith("[ferry] ready"):
+            return "".join(lines)
+    raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
+
+
+def ferry_generate(router: str, prompt: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([FERRY, "generate", prompt, "--router", router, *flags], capture_output=True,
+                          text=True, timeout=120)
+
+
+def stop_and_check_nothing_left(up: subprocess.Popen, marker: str) -> None:
+    assert len(processes_with_marker(marker)) >= 5      # ferry up, redis, 2 schedulers + their workers, router
+    up.send_signal(signal.SIGTERM)
+    assert up.wait(timeout=60) == 0
+    wait_until(lambda: not processes_with_marker(marker), "every process ferry up started has exited", timeout=10)
+
+
+def test_ferry_up_answers_generate_and_leaves_nothing_after_sigterm(tiny_llama_dir):
+    up, router, marker = start_ferry_up("--model", str(tiny_llama_dir), "--dtype", "float32",
+                                        "--kv-cache-memory", "4000000")
+    try:
+        banner = wait_until_ready(up)
+        assert router in banner and "redis://" in banner
+        result = ferry_generate(router, "Paris is the capital of", "--max-tokens", "8")
+        assert result.returncode == 0, result.stderr
+        assert "8 completion tokens" in result.stderr
+        bad = ferry_generate(router, "", "--max-tokens", "8")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        stop_and_check_nothing_left(up, marker)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+@pytest.mark.slow
+def test_ferry_up_with_the_default_model_says_paris():
+    up, router, marker = start_ferry_up("--kv-cache-memory", "50000000")
+    try:
+        wait_until_ready(up)
+        result = ferry_generate(router, "What is the capital of France?", "--chat", "--max-tokens", "24")
+        assert result.returncode == 0, result.stderr
+        assert "Paris" in result.stdout
+        stop_and_check_nothing_left(up, marker)
+    finally:
+        if up.poll() is None:
+            up.kill()
