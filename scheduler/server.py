@@ -217,10 +217,18 @@ class ServeOptions:
     heartbeat_ttl: float = 3.0
 
 
+def reachable_ip() -> str:
+    """This host's address as its peers see it (in compose: the container's IP on the network)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
 def advertised_address(options: ServeOptions, port: int) -> str:
     host = options.advertise_host or options.host
     if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostname()
+        host = reachable_ip()
     return f"{host}:{port}"
 
 
