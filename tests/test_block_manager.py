@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from hypothesis import strategies as st
 
 from ferry.config import EngineConfig
@@ -139,3 +140,81 @@ def test_the_least_recently_freed_prefix_is_evicted_first():
     assert removed == [hash_blocks(list(range(8)), BLOCK_SIZE, "m")[1]]   # the older sequence's tail block
     assert len(bm.match_prefix(make_seq("again", list(range(100, 109))))) == 2
     assert len(bm.match_prefix(make_seq("old-again", list(range(9))))) == 1
+
+
+class BlockPoolMachine(RuleBasedStateMachine):
+    """Random admissions (with prefix hits), computation, forks and frees against a simulated KV pool: every
+    computed position of every live sequence must read back its own token, whoever else shares the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(24, BLOCK_SIZE, root_hash("m"))
+        self.pool: dict[tuple[int, int], int] = {}      # (block, slot) -> token whose KV is stored there
+        self.live: list[Sequence] = []
+        self.names = iter(range(10**6))
+
+    def write(self, seq: Sequence, num_tokens: int) -> None:
+        for src, dst in self.bm.pending_copies:
+            for slot in range(BLOCK_SIZE):
+                if (src, slot) in self.pool:
+                    self.pool[dst, slot] = self.pool[src, slot]
+        self.bm.pending_copies.clear()
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):
+            self.pool[seq.block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE] = seq.token_ids[p]
+        seq.num_computed_tokens += num_tokens
+        self.bm.register_full_blocks(seq)
+
+    @rule(tokens=st.lists(st.integers(3, 6), min_size=1, max_size=20))
+    def admit(self, tokens):
+        seq = make_seq(f"s{next(self.names)}", tokens)
+        hits = self.bm.match_prefix(seq)
+        if self.bm.allocate(seq, hits, seq.num_tokens - len(hits) * BLOCK_SIZE):
+            self.live.append(seq)
+            self.write(seq, seq.num_tokens - seq.num_computed_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(3, 6))
+    def decode(self, data, token):
+        seq = data.draw(st.sampled_from(self.live))
+        seq.token_ids.append(token)
+        if self.bm.append_slots(seq, 1):
+            self.write(seq, 1)
+        else:
+            seq.token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.live))
+        child = make_seq(f"s{next(self.names)}", parent.token_ids)
+        self.bm.fork(parent, child, parent.num_tokens)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        seq = data.draw(st.sampled_from(self.live))
+        self.live.remove(seq)
+        self.bm.free(seq)
+
+    @invariant()
+    def blocks_hold_what_their_owners_computed(self):
+        owners = Counter(b for s in self.live for b in s.block_ids)
+        for block in self.bm.blocks:
+            assert block.ref_count == owners.get(block.block_id, 0)
+            assert (block.ref_count == 0) == (block.block_id in self.bm.free_queue)
+        for seq in self.live:
+            assert len(set(seq.block_ids)) == len(seq.block_ids)
+            assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE)
+            for p in range(seq.num_computed_tokens):
+                assert self.pool[seq.block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE] == seq.token_ids[p]
+
+    def teardown(self):
+        for seq in self.live:
+            self.bm.free(seq)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+BlockPoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_block_pool_state_machine = BlockPoolMachine.TestCase
