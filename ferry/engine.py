@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ferry.config import EngineConfig
 from ferry.sampling_params import SamplingParams
@@ -36,8 +37,16 @@ class GenerationResult:
         return self.samples[0].finish_reason
 
 
+class StepWorker(Protocol):
+    """gpu_worker.worker.Worker in process, or a client of one behind gRPC."""
+
+    def init(self, req: worker_pb2.InitRequest) -> worker_pb2.InitResponse: ...
+
+    def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult: ...
+
+
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, worker=None):
+    def __init__(self, config: EngineConfig | None = None, worker: StepWorker | None = None):
         self.config = config or EngineConfig()
         self.config.validate()
         if worker is None:

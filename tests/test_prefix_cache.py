@@ -55,3 +55,15 @@ def test_prefix_caching_off_computes_everything(tiny_llama_dir):
     eng.generate([first, second], GREEDY)
     assert eng.stats().prompt_tokens_total == len(first) + len(second)
     assert eng.stats().prefix_cache_hits == 0
+
+
+def test_parallel_seeded_samples_are_the_same_with_prefix_caching_on_and_off(tiny_llama_dir):
+    prompts = shared_prefix_prompts(3)
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=11, n=2, ignore_eos=True)
+    outputs = []
+    for caching in (True, False):
+        eng = engine(tiny_llama_dir, enable_prefix_caching=caching)
+        eng.generate(prompts[:1], params)
+        outputs.append([[s.token_ids for s in r.samples] for r in eng.generate(prompts, params)])
+        assert eng.stats().num_free_blocks == eng.info.num_blocks
+    assert outputs[0] == outputs[1]
