@@ -31,6 +31,8 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE)
     for block_hash, block_id in bm.cached.items():
         assert bm.blocks[block_id].block_hash == block_hash
+    assert sum(scheduler.seats(s) for s in live) <= scheduler.config.max_num_seqs
+    assert not set(map(id, live)) & set(map(id, scheduler.waiting))
     assert bm.num_cached_free_blocks == sum(bm.blocks[b].block_hash is not None for b in bm.free_queue)
 
 
@@ -51,10 +53,12 @@ requests = st.lists(st.tuples(st.lists(st.integers(3, 12), min_size=1, max_size=
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=requests, num_blocks=st.integers(12, 40), budget=st.integers(1, 64),
-       prefix_caching=st.booleans(), abort_every=st.integers(0, 7), token=st.integers(3, 12))
+       prefix_caching=st.booleans(), abort_every=st.integers(0, 7), token=st.integers(3, 12),
+       batching=st.sampled_from(["continuous", "static"]))
 def test_blocks_are_never_shared_wrongly_and_all_come_back(requests, num_blocks, budget, prefix_caching,
-                                                           abort_every, token):
-    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching)
+                                                           abort_every, token, batching):
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching,
+                          batching=batching)
     scheduler = Scheduler(config, num_blocks, BLOCK_SIZE, 64, [2], "m")
     for i, (prompt, max_tokens, n) in enumerate(requests):
         scheduler.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
