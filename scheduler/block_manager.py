@@ -92,7 +92,10 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
-        stored, removed = self.stored_events, self.removed_events
+        """(stored, removed) since the last drain, netted to disjoint lists: a hash evicted and stored again in
+        between is reported stored, one stored and evicted is reported removed, whatever order they are applied in."""
+        stored = list(dict.fromkeys(h for h in self.stored_events if h in self.cached))
+        removed = list(dict.fromkeys(h for h in self.removed_events if h not in self.cached))
         self.stored_events, self.removed_events = [], []
         return stored, removed
 

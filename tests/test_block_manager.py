@@ -222,3 +222,19 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 BlockPoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_block_pool_state_machine = BlockPoolMachine.TestCase
+
+
+def test_kv_events_are_netted_so_their_order_does_not_matter():
+    bm = BlockManager(2, BLOCK_SIZE, root_hash("m"))
+    first = make_seq("a", list(range(5)))
+    bm.allocate(first, [], 5); computed(bm, first); bm.free(first)
+    h = hash_blocks(list(range(5)), BLOCK_SIZE, "m")[0]
+    assert bm.drain_events() == ([h], [])
+    evictor = make_seq("b", [9] * 8)
+    bm.allocate(evictor, [], 8); bm.free(evictor)      # evicts h
+    again = make_seq("c", list(range(5)))
+    bm.allocate(again, [], 5); computed(bm, again)      # stores h again
+    assert bm.drain_events() == ([h], [])
+    bm.free(again)
+    bm.allocate(make_seq("d", [8] * 8), [], 8)          # evicts h for good
+    assert bm.drain_events() == ([], [h])
