@@ -41,13 +41,14 @@ class WorkerProcess:
     """The co-located worker: a child process serving gpu_worker on a unix socket in a private temp dir."""
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="ferry-worker-")
-        self.socket_path = os.path.join(self.dir, "worker.sock")
+        self.dir = ""
         self.process: subprocess.Popen | None = None
         self.channel: grpc.aio.Channel | None = None
         self.stub: worker_pb2_grpc.WorkerStub | None = None
 
     async def start(self, config: EngineConfig) -> worker_pb2.InitResponse:
+        self.dir = tempfile.mkdtemp(prefix="ferry-worker-")
+        self.socket_path = os.path.join(self.dir, "worker.sock")
         self.process = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--socket", self.socket_path,
                                          "--parent-pid", str(os.getpid())])
         self.channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}", options=GRPC_OPTIONS)
@@ -99,12 +100,16 @@ class EngineLoop:
         self.config = config
         self.worker = worker
         self.info = info
-        self.scheduler = Scheduler(config, info.num_blocks, info.block_size, info.max_model_len,
-                                   list(info.eos_token_ids), info.model_name)
+        self.scheduler = self.new_scheduler()
         self.streams: dict[str, RequestStream] = {}
         self.wakeup = asyncio.Event()
         self.on_kv_events = lambda stored, removed: None
         self.failure: str | None = None
+
+    def new_scheduler(self) -> Scheduler:
+        info = self.info
+        return Scheduler(self.config, info.num_blocks, info.block_size, info.max_model_len,
+                         list(info.eos_token_ids), info.model_name)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         if self.failure:
@@ -121,17 +126,36 @@ class EngineLoop:
         return self.scheduler.abort_request(request_id)
 
     async def run(self) -> None:
-        try:
-            while True:
-                step = self.scheduler.schedule()
-                if step is None:
-                    await self.wait_for_work()
-                    continue
-                result = await self.worker.step(step)
-                self.deliver(self.scheduler.update(step, result))
-                self.on_kv_events(*self.scheduler.drain_kv_events())
-        except WorkerFailed as e:
-            self.fail_everything(str(e))
+        """Step until cancelled; a failed worker fails the in-flight requests and is restarted once per failure."""
+        while True:
+            try:
+                await self.run_steps()
+            except WorkerFailed as e:
+                self.fail_everything(str(e))
+            try:
+                await self.restart_worker()
+            except (WorkerFailed, grpc.aio.AioRpcError) as e:
+                self.failure = f"worker could not be restarted: {e}"
+                log.error(self.failure)
+                return
+
+    async def run_steps(self) -> None:
+        while True:
+            step = self.scheduler.schedule()
+            if step is None:
+                await self.wait_for_work()
+                continue
+            result = await self.worker.step(step)
+            self.deliver(self.scheduler.update(step, result))
+            self.on_kv_events(*self.scheduler.drain_kv_events())
+
+    async def restart_worker(self) -> None:
+        log.warning("restarting the worker")
+        await self.worker.stop()
+        self.info = await self.worker.start(self.config)
+        self.scheduler = self.new_scheduler()     # the new worker holds no sequences and an empty pool
+        self.failure = None
+        log.warning("worker restarted")
 
     async def wait_for_work(self) -> None:
         self.wakeup.clear()
@@ -265,7 +289,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         await run_until_signalled(loop, server, registry)
         return 1 if loop.failure else 0
     finally:
-        await worker.stop()
+        await worker.stop()   # the loop restarts workers in place: this is always the current one
 
 
 async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, registry: Registry | None) -> None:

@@ -1,15 +1,17 @@
 """The services as real processes: redis-server, 2 schedulers with their workers, a router, over real gRPC."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 
-from protos import router_pb2
+from protos import router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, collect, greedy, registered_schedulers,
                                      start_services, wait_until)
 
@@ -148,13 +150,47 @@ def test_bad_input_is_invalid_argument_and_services_keep_serving(services, reque
 
 
 def test_scheduler_rejects_bad_input_with_the_reason(services):
-    from protos import scheduler_pb2, scheduler_pb2_grpc
-
     stub = scheduler_pb2_grpc.SchedulerStub(services.channel(services.scheduler_addresses[0]))
     with pytest.raises(grpc.RpcError) as error:
         list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[], sampling=greedy(4))))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt must not be empty" in error.value.details()
+
+
+def worker_pid(scheduler_pid: int) -> int:
+    children = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
+    assert len(children) == 1
+    return int(children[0])
+
+
+def test_kv_events_reach_the_redis_prefix_index(services):
+    collect(services.router().Generate(router_pb2.GenerateRequest(text=PROMPTS[0] * 4, sampling=greedy(2))))
+    redis = services.redis()
+    wait_until(lambda: any(redis.scan_iter(match="ferry:blk:*")), "block keys published")
+    key = next(redis.scan_iter(match="ferry:blk:*"))
+    assert redis.smembers(key) & {b"sched-0", b"sched-1"}
+
+
+def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services):
+    address, scheduler = services.scheduler_addresses[1], services.schedulers[1]
+    stub = scheduler_pb2_grpc.SchedulerStub(services.channel(address))
+    stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
+                                                        sampling=greedy(600, ignore_eos=True)))
+    next(stream)
+    os.kill(worker_pid(scheduler.pid), signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as error:
+        list(stream)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    def serves_again() -> bool:
+        try:
+            return len(list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
+                                                                        sampling=greedy(3))))) == 3
+        except grpc.RpcError:
+            return False
+
+    wait_until(serves_again, "the scheduler serves again with a new worker", timeout=60)
+    assert scheduler.poll() is None
 
 
 def test_killed_scheduler_stops_receiving_requests_within_the_ttl(services, engine):
