@@ -11,7 +11,6 @@ The module imports without Triton or a GPU; the kernels then raise on use.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -210,7 +209,8 @@ def _require_triton() -> None:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the kernels were built by the interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    return type(_decode_kernel).__name__ == "InterpretedFunction"
 
 
 def _compute_flags(dtype: torch.dtype) -> tuple[bool, str]:
@@ -235,8 +235,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        key, value = key.contiguous(), value.contiguous()
+    if key.dtype != k_cache.dtype or key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.to(k_cache.dtype).contiguous(), value.to(v_cache.dtype).contiguous()  # torch rounds right
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

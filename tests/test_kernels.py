@@ -1,0 +1,183 @@
+"""Paged attention kernels against the torch reference and dense causal attention, on CPU.
+
+The Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before the kernels are built,
+so it is set here and the kernel module is rebuilt if something imported it earlier in this process.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from kernels import reference, torch_paged  # noqa: E402
+from kernels import triton_paged  # noqa: E402
+
+if not triton_paged._interpreting():
+    triton_paged = importlib.reload(triton_paged)
+
+BACKENDS = {"triton": triton_paged, "torch": torch_paged}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+HEAD_DIM = 32
+BLOCK_SIZE = 8
+
+
+@dataclass
+class PagedBatch:
+    """Sequences scattered over a shuffled pool, with their dense K/V and queries kept for the dense check."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    keys: list[torch.Tensor]      # per sequence [context_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+    queries: list[torch.Tensor]   # per sequence [context_len, num_heads, head_dim]
+
+
+def make_batch(context_lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+               seed: int = 0) -> PagedBatch:
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-length // BLOCK_SIZE) for length in context_lens]
+    max_blocks = max(blocks_per_seq) + 1                       # a spare column: tables wider than needed
+    num_blocks = sum(blocks_per_seq) + 5                       # spare blocks hold garbage
+    pool_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(pool_shape, generator=generator).to(dtype) * 50  # garbage must never be read
+    v_cache = torch.randn(pool_shape, generator=generator).to(dtype) * 50
+    free_blocks = torch.randperm(num_blocks, generator=generator).tolist()  # fragmented, shuffled
+    block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    keys, values, queries = [], [], []
+    for seq, length in enumerate(context_lens):
+        table = [free_blocks.pop() for _ in range(blocks_per_seq[seq])]
+        block_tables[seq, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        keys.append(torch.randn(length, num_kv_heads, HEAD_DIM, generator=generator).to(dtype))
+        values.append(torch.randn(length, num_kv_heads, HEAD_DIM, generator=generator).to(dtype))
+        queries.append(torch.randn(length, num_heads, HEAD_DIM, generator=generator).to(dtype))
+        reference.store_kv(keys[-1], values[-1], k_cache, v_cache, slots_of(block_tables[seq], range(length)))
+    return PagedBatch(k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32),
+                      keys, values, queries)
+
+
+def slots_of(block_table: torch.Tensor, positions: range) -> torch.Tensor:
+    return torch.tensor([int(block_table[p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions],
+                        dtype=torch.int64)
+
+
+def dense_causal(batch: PagedBatch, seq: int, num_new: int, scale: float) -> torch.Tensor:
+    """SDPA over the sequence's contiguous K/V: the last num_new positions' outputs."""
+    q = batch.queries[seq].float().transpose(0, 1)
+    k = batch.keys[seq].float().transpose(0, 1)
+    v = batch.values[seq].float().transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[0] != k.shape[0])
+    return out.transpose(0, 1)[-num_new:]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(backend: str, dtype: torch.dtype) -> None:
+    batch = make_batch([13], num_heads=4, num_kv_heads=2, dtype=dtype)
+    qkv = torch.randn(5, 3, 2, HEAD_DIM)                      # key/value as strided views, as a model makes them
+    key, value = qkv[:, 1], qkv[:, 2]
+    slot_mapping = torch.tensor([17, -1, 3, 40, -1])
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slot_mapping)
+    BACKENDS[backend].store_kv(key, value, batch.k_cache, batch.v_cache, slot_mapping)
+    assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
+    assert torch.equal(batch.k_cache.view(-1, 2, HEAD_DIM)[40], key[3].to(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (4, 1)])
+def test_decode_matches_reference_and_dense_attention(backend: str, dtype: torch.dtype, num_heads: int,
+                                                      num_kv_heads: int) -> None:
+    context_lens = [1, 19, 8, 30]
+    batch = make_batch(context_lens, num_heads, num_kv_heads, dtype)
+    query = torch.stack([q[-1] for q in batch.queries])
+    scale = HEAD_DIM ** -0.5
+    out = BACKENDS[backend].paged_attention_decode(query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                                   batch.context_lens, scale)
+    expected = reference.paged_attention_decode(query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                                batch.context_lens, scale)
+    assert_close(out, expected, dtype)
+    dense = torch.cat([dense_causal(batch, seq, 1, scale) for seq in range(len(context_lens))])
+    assert_close(out, dense, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_long_context_split_into_partitions_matches_one_pass(dtype: torch.dtype) -> None:
+    context_lens = [301, 5, 128]                 # 5 partitions of 64; the short ones leave partitions empty
+    batch = make_batch(context_lens, num_heads=3, num_kv_heads=1, dtype=dtype, seed=1)
+    query = torch.stack([q[-1] for q in batch.queries])
+    args = (query, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.3)
+    partitioned = triton_paged.paged_attention_decode(*args, partition_size=64)
+    one_pass = triton_paged.paged_attention_decode(*args, partition_size=512)
+    expected = reference.paged_attention_decode(*args)
+    assert_close(partitioned, expected, dtype)
+    assert_close(one_pass, expected, dtype)
+    dense = torch.cat([dense_causal(batch, seq, 1, 0.3) for seq in range(len(context_lens))])
+    assert_close(partitioned, dense, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (4, 1)])
+def test_prefill_over_cached_prefix_matches_reference_and_dense(backend: str, dtype: torch.dtype,
+                                                                num_heads: int, num_kv_heads: int) -> None:
+    context_lens = [21, 9, 40, 6]
+    new_tokens = [21, 4, 19, 1]                  # a whole prompt, prefix hits / later chunks, a decode
+    batch = make_batch(context_lens, num_heads, num_kv_heads, dtype, seed=2)
+    query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
+    cu_seqlens_q = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    scale = HEAD_DIM ** -0.5
+    args = (query, batch.k_cache, batch.v_cache, batch.block_tables, cu_seqlens_q, batch.context_lens, scale)
+    out = BACKENDS[backend].paged_prefill_attention(*args)
+    assert_close(out, reference.paged_prefill_attention(*args), dtype)
+    dense = torch.cat([dense_causal(batch, seq, n, scale) for seq, n in enumerate(new_tokens)])
+    assert_close(out, dense, dtype)
+
+
+def test_chunked_prefill_then_decode_equals_dense_attention_over_the_prompt() -> None:
+    """The model's order of calls: store a chunk's K/V, attend; next chunk; then a decode step."""
+    prompt_len, chunks = 27, [11, 10, 6]
+    batch = make_batch([prompt_len + 1], num_heads=4, num_kv_heads=1, dtype=torch.float32, seed=3)
+    k_cache, v_cache = torch.zeros_like(batch.k_cache), torch.zeros_like(batch.v_cache)
+    table, scale, done, outputs = batch.block_tables, HEAD_DIM ** -0.5, 0, []
+    for length in chunks + [1]:
+        positions = range(done, done + length)
+        triton_paged.store_kv(batch.keys[0][done:done + length], batch.values[0][done:done + length],
+                              k_cache, v_cache, slots_of(table[0], positions))
+        context = torch.tensor([done + length], dtype=torch.int32)
+        query = batch.queries[0][done:done + length]
+        if length == 1:
+            outputs.append(triton_paged.paged_attention_decode(query, k_cache, v_cache, table, context, scale))
+        else:
+            cu_seqlens_q = torch.tensor([0, length], dtype=torch.int32)
+            outputs.append(triton_paged.paged_prefill_attention(query, k_cache, v_cache, table, cu_seqlens_q,
+                                                                context, scale))
+        done += length
+    assert_close(torch.cat(outputs), dense_causal(batch, 0, prompt_len + 1, scale), torch.float32)
+
+
+def test_triton_module_imports_without_triton_installed() -> None:
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import kernels.triton_paged as t\n"
+            "assert not t.HAS_TRITON\n"
+            "try:\n    t.store_kv(None, None, None, None, None)\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "torch backend" in result.stdout
