@@ -1,0 +1,98 @@
+"""Tracing shared by the router, the scheduler and the worker: OpenTelemetry spans exported by OTLP over gRPC.
+
+Configured only by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
+OTEL_TRACES_SAMPLER, OTEL_BSP_SCHEDULE_DELAY...). With no OTLP endpoint set, tracing is off: `Tracing.enabled`
+is False, the tracer is a no-op and callers skip their tracing work entirely.
+W3C trace context crosses every hop: gRPC metadata (router → scheduler) and `traceparent` strings in the
+worker's StepRequest (scheduler → worker, whose step spans link to the requests they served).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+TRACEPARENT = "traceparent"
+PROPAGATOR = TraceContextTextMapPropagator()
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+@dataclass
+class Tracing:
+    tracer: trace.Tracer
+    provider: object | None = None     # the SDK TracerProvider when on
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def shutdown(self) -> None:
+        """Flush what the batch processor still holds (call once, on the way out)."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+TRACING_OFF = Tracing(trace.NoOpTracer())
+
+
+def tracing_configured() -> bool:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        return False
+    return any(os.environ.get(name, "").strip() for name in ENDPOINT_VARIABLES)
+
+
+def setup_tracing(default_service_name: str) -> Tracing:
+    """A tracer for this process: OTLP/gRPC with a batch span processor, or TRACING_OFF without an endpoint.
+    OTEL_SERVICE_NAME (or service.name in OTEL_RESOURCE_ATTRIBUTES) overrides `default_service_name`."""
+    if not tracing_configured():
+        return TRACING_OFF
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    detected = OTELResourceDetector().detect()
+    defaults = Resource.create({SERVICE_NAME: default_service_name})
+    provider = TracerProvider(resource=defaults.merge(detected))   # sampler: OTEL_TRACES_SAMPLER(_ARG)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return Tracing(provider.get_tracer("ferry"), provider)
+
+
+def inject_metadata(span: Span) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying `span` as the parent of whatever the callee does."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return tuple(carrier.items())
+
+
+def extract_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | None:
+    """The caller's trace context from gRPC metadata (or HTTP headers as pairs); None when there is none."""
+    carrier = {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
+    if TRACEPARENT not in carrier:
+        return None
+    return PROPAGATOR.extract(carrier)
+
+
+def traceparent(span: Span) -> str:
+    """The W3C `traceparent` of a span, e.g. to name it inside a protobuf message."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get(TRACEPARENT, "")
+
+
+def link_to(traceparent_value: str) -> Link | None:
+    """A span link to the span a `traceparent` names; None when it names no valid span."""
+    context = PROPAGATOR.extract({TRACEPARENT: traceparent_value})
+    span_context = trace.get_current_span(context).get_span_context()
+    return Link(span_context) if span_context.is_valid else None
+
+
+def links_to(traceparents: Iterable[str]) -> list[Link]:
+    return [link for link in map(link_to, traceparents) if link is not None]
