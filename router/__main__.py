@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from router.openai_api import add_http_args
 from router.policy import POLICIES
 from router.server import RouterOptions, serve
 
@@ -20,12 +21,14 @@ def main() -> int:
                         help="a scheduler to use when Redis is unreachable (repeatable)")
     parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
     parser.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    add_http_args(parser)
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     if not args.redis_url and not args.scheduler:
         parser.error("give --redis-url or at least one --scheduler")
-    options = RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy)
+    options = RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
+                            args.http_host, args.http_port, args.api_key)
     return asyncio.run(serve(options))
 
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos import router_pb2, router_pb2_grpc
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
+from router.openai_api import create_app, directory_models, serve_http
 from router.policy import POLICIES
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class RouterOptions:
     schedulers: list[str] = field(default_factory=list)
     model_path: str = ""
     policy: str = "least_loaded"
+    http_host: str = "127.0.0.1"
+    http_port: int = 0                  # 0: no HTTP
+    api_key: str = ""
 
 
 async def serve(options: RouterOptions) -> int:
@@ -49,6 +53,11 @@ async def serve(options: RouterOptions) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     await server.start()
+    http = None
+    if options.http_port:
+        app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None)
+        http = await serve_http(app, options.http_host, options.http_port)
+        print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("ferry.Router", health_pb2.HealthCheckResponse.SERVING)
     print(f"router serving gRPC on {options.host}:{port}", flush=True)
@@ -56,6 +65,8 @@ async def serve(options: RouterOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
+    if http is not None:
+        await http.stop()
     await server.stop(grace=2)
     await directory.close()
     return 0

@@ -1,0 +1,162 @@
+"""OpenAI API request bodies, validated by pydantic, and their mapping onto Ferry's GenerateRequest.
+
+Only bounds the wire needs are checked here (a negative max_tokens cannot become a uint32); the meaning of each
+value (top_p in (0, 1], n >= 1, ...) is checked once, by ferry.sampling_params in the router's request path.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from protos import common_pb2, router_pb2
+
+UINT32_MAX = 2**32 - 1
+INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+UINT32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+SEED = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+TOP_LOGPROBS = Annotated[int, Field(ge=0, le=20)]
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "n")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields both APIs share (OpenAI's, plus vLLM's extensions users already send)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: UINT32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: INT32 | None = None
+    min_p: float | None = None
+    seed: SEED | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[UINT32] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    n: UINT32 | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def num_samples(self) -> int:
+        return self.n if self.n is not None else 1
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
+        params = common_pb2.SamplingParams(stop=stop_strings(self.stop), stop_token_ids=self.stop_token_ids,
+                                           ignore_eos=self.ignore_eos,
+                                           include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in SAMPLING_FIELDS:
+            if getattr(self, name) is not None:
+                setattr(params, name, getattr(self, name))
+        if self.seed is not None:
+            params.seed = self.seed % 2**64      # a negative seed is as good a seed as any
+        if max_tokens is not None:
+            params.max_tokens = max_tokens
+        if logprobs is not None:
+            params.logprobs = logprobs
+        return params
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[UINT32] | list[str] | list[list[UINT32]]
+    logprobs: TOP_LOGPROBS | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: UINT32 | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, reason) for a request this server cannot honour as asked."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                return "prompt", "a batch of prompts is not supported: send one prompt per request"
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.num_samples:
+            return "best_of", "best_of other than n is not supported"
+        return None
+
+    def generate_request(self, request_id: str, model: str) -> router_pb2.GenerateRequest:
+        request = router_pb2.GenerateRequest(request_id=request_id, model=model,
+                                             sampling=self.sampling(self.max_tokens, self.logprobs))
+        prompt = self.prompt[0] if isinstance(self.prompt, list) and len(self.prompt) == 1 \
+            and isinstance(self.prompt[0], (str, list)) else self.prompt
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        return request
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.type != "text" for part in self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
+    max_completion_tokens: UINT32 | None = None
+    logprobs: bool = False
+    top_logprobs: TOP_LOGPROBS | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs requires logprobs to be true"
+        for i, message in enumerate(self.messages):
+            try:
+                message.text()
+            except ValueError as e:
+                return f"messages[{i}].content", str(e)
+        return None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def generate_request(self, request_id: str, model: str, max_tokens: int | None) -> router_pb2.GenerateRequest:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        request = router_pb2.GenerateRequest(request_id=request_id, model=model,
+                                             sampling=self.sampling(max_tokens, logprobs))
+        for message in self.chat_messages():
+            request.chat.messages.add(**message)
+        return request
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)

@@ -1,0 +1,347 @@
+"""The OpenAI-compatible HTTP API on a real router (redis-server, a scheduler with its worker, a router process
+serving gRPC and HTTP), driven by the official `openai` client, and by raw HTTP where the wire is the point
+(error bodies, server-sent events, clients that hang up)."""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from ferry.launcher import free_port, wait_for_health
+from tests.services_fixtures import CHILD_ENV, ServiceStack, start_services, wait_until
+
+API_KEY = "sk-ferry-test"
+LONG = 600      # tokens a request would take to finish on its own
+
+
+@dataclass
+class HttpStack:
+    services: ServiceStack
+    base_url: str
+    model: str
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
+
+    def post(self, path: str, body: dict | bytes, api_key: str | None = API_KEY,
+             timeout: httpx.Timeout | float = 60) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.base_url + path, content=content, headers=headers, timeout=timeout)
+
+    def generated_tokens(self) -> int:
+        return sum(self.services.scheduler_stats(a).generation_tokens_total for a in self.services.scheduler_addresses)
+
+    def idle(self) -> bool:
+        for address in self.services.scheduler_addresses:
+            stats = self.services.scheduler_stats(address)
+            if stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
+                return False
+        return True
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir):
+    services = start_services(tiny_llama_dir, num_schedulers=1)
+    try:
+        grpc_port, http_port = free_port(), free_port()
+        services.stack.start([sys.executable, "-m", "router", "--port", str(grpc_port), "--redis-url",
+                              services.redis_url, "--http-port", str(http_port), "--api-key", API_KEY],
+                             "router with HTTP", env=CHILD_ENV)
+        wait_for_health(f"127.0.0.1:{grpc_port}", services.stack, timeout=60)
+        base_url = f"http://127.0.0.1:{http_port}/v1"
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200, "HTTP health")
+        yield HttpStack(services, base_url, tiny_llama_dir.name)
+    finally:
+        services.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    return Reference(tiny_llama_dir)
+
+
+class Reference:
+    """Greedy decoding and logprobs straight from Hugging Face transformers."""
+
+    def __init__(self, model_dir):
+        import torch
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[list[float]]]:
+        """Token ids and, per generated token, the log-probabilities over the vocabulary."""
+        ids, logprobs = list(prompt_ids), []
+        with self.torch.no_grad():
+            for _ in range(max_tokens):
+                logits = self.model(self.torch.tensor([ids])).logits[0, -1]
+                row = self.torch.log_softmax(logits.float(), dim=-1)
+                ids.append(int(row.argmax()))
+                logprobs.append(row.tolist())
+                if ids[-1] == self.tokenizer.eos_token_id:
+                    break
+        return ids[len(prompt_ids):], logprobs
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def sse_payloads(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+# --- happy paths, with the openai client -------------------------------------------------------------------
+def test_models_lists_the_served_model(stack):
+    models = stack.client().models.list()
+    assert [m.id for m in models.data] == [stack.model]
+
+
+def test_greedy_completion_matches_transformers_with_usage(stack, reference):
+    prompt = "Paris is the capital of France. The quick brown fox"
+    want_ids, _ = reference.greedy(reference.encode(prompt), 20)
+    result = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=20, temperature=0)
+    assert result.choices[0].text == reference.decode(want_ids)
+    assert result.choices[0].finish_reason == ("stop" if len(want_ids) < 20 else "length")
+    assert result.usage.prompt_tokens == len(reference.encode(prompt))
+    assert result.usage.completion_tokens == len(want_ids)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_completion_prompt_as_token_ids(stack, reference):
+    prompt_ids = reference.encode("Berlin is the capital of Germany.")
+    want_ids, _ = reference.greedy(prompt_ids, 12)
+    result = stack.client().completions.create(model=stack.model, prompt=prompt_ids, max_tokens=12, temperature=0)
+    assert result.choices[0].text == reference.decode(want_ids)
+    assert result.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_chat_completion_applies_the_chat_template(stack, reference):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    want_ids, _ = reference.greedy(reference.chat_ids(messages), 16)
+    result = stack.client().chat.completions.create(model=stack.model, messages=messages, max_tokens=16,
+                                                    temperature=0)
+    assert result.object == "chat.completion"
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == reference.decode(want_ids)
+    assert result.usage.prompt_tokens == len(reference.chat_ids(messages))
+    assert result.usage.completion_tokens == len(want_ids)
+
+
+def test_streamed_completion_deltas_concatenate_to_the_non_streamed_text_for_the_same_seed(stack):
+    args = dict(model=stack.model, prompt="The quick brown fox", max_tokens=32, temperature=1.0, seed=1234)
+    whole = stack.client().completions.create(**args)
+    chunks = list(stack.client().completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == whole.choices[0].text
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1    # streamed, not sent at the end
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streamed_chat_deltas_concatenate_to_the_non_streamed_message_for_the_same_seed(stack):
+    args = dict(model=stack.model, messages=[{"role": "user", "content": "Tell me about Berlin."}],
+                max_completion_tokens=32, temperature=0.8, top_p=0.9, seed=7)
+    whole = stack.client().chat.completions.create(**args)
+    chunks = list(stack.client().chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_stream_is_server_sent_events_ending_with_done(stack):
+    body = {"model": stack.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", stack.base_url + "/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        payloads = sse_payloads(response)
+    assert payloads[-1] == "[DONE]"
+    assert all(json.loads(p)["object"] == "text_completion" for p in payloads[:-1])
+
+
+def test_n2_gives_two_seeded_samples_and_usage_counts_both(stack):
+    args = dict(model=stack.model, prompt="Continuous batching keeps", max_tokens=16, temperature=1.0, seed=99,
+                n=2, extra_body={"ignore_eos": True})
+    result = stack.client().completions.create(**args)
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert result.choices[0].text != result.choices[1].text
+    assert result.usage.completion_tokens == 32
+    again = stack.client().completions.create(**args)
+    assert [c.text for c in again.choices] == [c.text for c in result.choices]
+    streamed = {0: "", 1: ""}
+    for chunk in stack.client().completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert [streamed[0], streamed[1]] == [c.text for c in result.choices]
+
+
+def test_completion_logprobs_match_transformers(stack, reference):
+    prompt = "Paris is the capital of"
+    want_ids, want_rows = reference.greedy(reference.encode(prompt), 8)
+    result = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=8, temperature=0,
+                                               logprobs=3)
+    logprobs = result.choices[0].logprobs
+    assert logprobs.tokens == [reference.tokenizer.decode([t]) for t in want_ids]
+    assert logprobs.token_logprobs == pytest.approx([row[t] for t, row in zip(want_ids, want_rows)], abs=1e-3)
+    for top, row in zip(logprobs.top_logprobs, want_rows):
+        best = sorted(range(len(row)), key=row.__getitem__, reverse=True)[:3]
+        want = {reference.tokenizer.decode([t]): row[t] for t in best}   # OpenAI's shape: tokens as dict keys
+        assert top == pytest.approx(want, abs=1e-3)
+    assert logprobs.text_offset[0] == 0
+    assert logprobs.text_offset[1:] == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(1, len(want_ids))]
+
+
+def test_chat_logprobs_with_top_logprobs_and_bytes(stack, reference):
+    messages = [{"role": "user", "content": "Ünïcödé têxt and emoji"}]
+    want_ids, want_rows = reference.greedy(reference.chat_ids(messages), 10)
+    result = stack.client().chat.completions.create(model=stack.model, messages=messages, max_tokens=10,
+                                                    temperature=0, logprobs=True, top_logprobs=2)
+    content = result.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([row[t] for t, row in zip(want_ids, want_rows)], abs=1e-3)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-5) for c in content)   # greedy
+    raw = b"".join(bytes(c.bytes) for c in content)
+    assert raw.decode("utf-8", errors="replace") == reference.tokenizer.decode(want_ids, skip_special_tokens=False)
+
+
+def split_stop_string(reference, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """A stop string that straddles two tokens of the greedy output, and that output's full text."""
+    token_ids, _ = reference.greedy(reference.encode(prompt), max_tokens)
+    full = reference.decode(token_ids)
+    for i in range(2, len(token_ids) - 1):
+        head, tail = reference.decode(token_ids[:i]), reference.decode(token_ids[i:i + 1])
+        if len(head) >= 2 and len(tail) >= 2 and full.startswith(head) and "\ufffd" not in full:
+            stop = head[-2:] + tail[:2]
+            if full.find(stop) == len(head) - 2:
+                return stop, full
+    raise AssertionError("no stop string straddling a token boundary in the greedy output")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_split_across_tokens_is_caught_and_never_streamed(stack, reference, stream):
+    prompt = "The quick brown fox jumps over the lazy dog."
+    stop, full = split_stop_string(reference, prompt, 40)
+    args = dict(model=stack.model, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "never seen"])
+    if not stream:
+        result = stack.client().completions.create(**args)
+        assert result.choices[0].text == full[:full.index(stop)]
+        assert result.choices[0].finish_reason == "stop"
+        assert result.choices[0].model_extra["stop_reason"] == stop
+        return
+    deltas = [c.choices[0].text for c in stack.client().completions.create(**args, stream=True) if c.choices]
+    assert "".join(deltas) == full[:full.index(stop)]
+    assert not any(stop in "".join(deltas[:i + 1]) for i in range(len(deltas)))
+
+
+def test_chat_stop_string_ends_the_message(stack, reference):
+    messages = [{"role": "user", "content": "Paris is the capital of France."}]
+    token_ids, _ = reference.greedy(reference.chat_ids(messages), 24)
+    full = reference.decode(token_ids)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    result = stack.client().chat.completions.create(model=stack.model, messages=messages, max_tokens=24,
+                                                    temperature=0, stop=stop)
+    assert result.choices[0].message.content == full[:full.index(stop)]
+    assert result.choices[0].finish_reason == "stop"
+
+
+# --- errors, over raw HTTP ---------------------------------------------------------------------------------
+def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize("path, body, words, param", [
+    ("/completions", b"{not json", ["JSON"], None),
+    ("/completions", {"max_tokens": 4}, ["prompt", "required"], "prompt"),
+    ("/chat/completions", {"max_tokens": 4}, ["messages", "required"], "messages"),
+    ("/chat/completions", {"messages": []}, ["messages"], "messages"),
+    ("/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, ["role"], "messages"),
+    ("/completions", {"prompt": "hi", "temperature": "hot"}, ["temperature"], "temperature"),
+    ("/completions", {"prompt": "hi", "max_tokens": -1}, ["max_tokens"], "max_tokens"),
+    ("/completions", {"prompt": "hi", "max_tokens": 0}, ["max_tokens"], None),
+    ("/completions", {"prompt": "hi", "top_p": 1.5}, ["top_p"], None),
+    ("/completions", {"prompt": "hi", "n": 0}, ["n must be"], None),
+    ("/completions", {"prompt": "hi", "logprobs": 50}, ["logprobs"], "logprobs"),
+    ("/completions", {"prompt": "hi", "stop": [""]}, ["stop"], None),
+    ("/completions", {"prompt": "hello " * 1200, "max_tokens": 8}, ["max_model_len"], None),
+    ("/completions", {"prompt": [1, 2, 100000]}, ["token ids"], None),
+    ("/completions", {"prompt": ""}, ["prompt must not be empty"], None),
+    ("/completions", {"prompt": ["a", "b"]}, ["batch"], "prompt"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, ["logprobs"],
+     "top_logprobs"),
+])
+def test_bad_input_is_400_naming_the_problem(stack, path, body, words, param):
+    error = assert_error(stack.post(path, body), 400, *words)
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_input_through_the_openai_client_is_a_bad_request_error(stack):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        stack.client().completions.create(model=stack.model, prompt="hi", top_p=1.5)
+    assert stack.client().completions.create(model=stack.model, prompt="hi", max_tokens=2).usage.completion_tokens
+
+
+def test_unknown_model_is_404(stack):
+    error = assert_error(stack.post("/completions", {"model": "gpt-17", "prompt": "hi"}), 404, "gpt-17")
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+@pytest.mark.parametrize("key", ["wrong-key", None])
+def test_wrong_or_missing_api_key_is_401(stack, key):
+    assert_error(stack.post("/completions", {"model": stack.model, "prompt": "hi"}, api_key=key), 401, "API key")
+    response = httpx.get(stack.base_url + "/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+    assert_error(response, 401)
+    with pytest.raises(openai.AuthenticationError):
+        stack.client(api_key=key or "").models.list()
+
+
+def test_health_needs_no_key(stack):
+    assert httpx.get(stack.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+# --- clients that hang up -------------------------------------------------------------------------------------
+def test_client_that_disconnects_mid_stream_aborts_its_request(stack):
+    wait_until(stack.idle, "pools idle before the test")
+    before = stack.generated_tokens()
+    body = {"model": stack.model, "prompt": "The quick brown fox", "max_tokens": LONG, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", stack.base_url + "/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        events = response.iter_lines()
+        received = [line for line, _ in zip(events, range(6))]
+    assert any(line.startswith("data: ") for line in received)
+    wait_until(stack.idle, "every block free again after the hang-up", timeout=20)
+    assert stack.generated_tokens() - before < LONG
+
+
+def test_client_that_disconnects_before_a_non_streamed_answer_aborts_its_request(stack):
+    wait_until(stack.idle, "pools idle before the test")
+    before = stack.generated_tokens()
+    body = {"model": stack.model, "prompt": "Paris is", "max_tokens": LONG, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        stack.post("/completions", body, timeout=httpx.Timeout(60, read=0.3))
+    wait_until(stack.idle, "every block free again after the hang-up", timeout=20)
+    assert stack.generated_tokens() - before < LONG
