@@ -1,7 +1,8 @@
 """Paged attention kernels against the torch reference and dense causal attention, on CPU.
 
-The Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before the kernels are built,
-so it is set here and the kernel module is rebuilt if something imported it earlier in this process.
+The Triton kernels run in Triton's interpreter. TRITON_INTERPRET must be set before triton itself is imported
+(triton.language's own jit helpers are built at import), so if anything in this process imported triton
+earlier, triton and the kernel module are imported afresh.
 """
 from __future__ import annotations
 
@@ -19,10 +20,20 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from kernels import reference, torch_paged  # noqa: E402
-from kernels import triton_paged  # noqa: E402
 
-if not triton_paged._interpreting():
-    triton_paged = importlib.reload(triton_paged)
+
+def import_interpreted_kernels():
+    import triton.language as tl
+    from kernels import triton_paged
+    if triton_paged._interpreting() and type(tl.max).__name__ == "InterpretedFunction":
+        return triton_paged
+    stale = [name for name in sys.modules if name.split(".")[0] == "triton" and not name.startswith("triton._C")]
+    for name in stale + ["kernels.triton_paged"]:
+        del sys.modules[name]  # the compiled extension stays: loading it twice aborts
+    return importlib.import_module("kernels.triton_paged")
+
+
+triton_paged = import_interpreted_kernels()
 
 BACKENDS = {"triton": triton_paged, "torch": torch_paged}
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
