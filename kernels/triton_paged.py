@@ -78,7 +78,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -247,8 +247,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           partition_size: int = DEFAULT_PARTITION_SIZE) -> torch.Tensor:
-    """The number of partitions comes from the block table's width, so no device sync is needed."""
+                           partition_size: int = DEFAULT_PARTITION_SIZE,
+                           max_context_len: int | None = None) -> torch.Tensor:
+    """Partitions cover max_context_len, or else the block table's width: no device sync either way."""
     _require_triton()
     _check_pool(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
@@ -261,7 +262,9 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_n = min(DECODE_BLOCK_N, partition_size)
     if partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of {block_n}")
-    num_partitions = max(1, triton.cdiv(block_tables.shape[1] * block_size, partition_size))
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
+    num_partitions = max(1, triton.cdiv(max_context_len, partition_size))
     single = num_partitions == 1
     part_out = out if single else torch.empty(num_seqs, num_heads, num_partitions, head_dim,
                                               dtype=torch.float32, device=query.device)

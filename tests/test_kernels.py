@@ -136,9 +136,11 @@ def test_decode_long_context_split_into_partitions_matches_one_pass(dtype: torch
     args = (query, batch.k_cache, batch.v_cache, batch.block_tables, batch.context_lens, 0.3)
     partitioned = triton_paged.paged_attention_decode(*args, partition_size=64)
     one_pass = triton_paged.paged_attention_decode(*args, partition_size=512)
+    exact_partitions = triton_paged.paged_attention_decode(*args, partition_size=64, max_context_len=301)
     expected = reference.paged_attention_decode(*args)
     assert_close(partitioned, expected, dtype)
     assert_close(one_pass, expected, dtype)
+    assert_close(exact_partitions, expected, dtype)
     dense = torch.cat([dense_causal(batch, seq, 1, 0.3) for seq in range(len(context_lens))])
     assert_close(partitioned, dense, dtype)
 
@@ -192,3 +194,12 @@ def test_triton_module_imports_without_triton_installed() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "torch backend" in result.stdout
+
+
+def test_kernel_benchmark_says_when_there_is_no_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    result = subprocess.run([sys.executable, "-m", "benchmarks.kernel_bench"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA device" in result.stdout
