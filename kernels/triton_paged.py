@@ -11,6 +11,7 @@ The module imports without Triton or a GPU; the kernels then raise on use.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -315,3 +316,32 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=4 if head_dim <= 64 else 8)
     return out
+
+
+@dataclass
+class PagedMetadata:
+    """One step's attention inputs for a group of sequences, built once and shared by every layer."""
+    block_tables: torch.Tensor    # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor    # [num_seqs] int32, new tokens included
+    cu_seqlens_q: torch.Tensor    # [num_seqs + 1] int32
+    max_query_len: int
+    max_context_len: int
+
+
+def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
+            block_size: int) -> PagedMetadata:
+    """The model runner's per-step hook (same as kernels.torch_paged.prepare)."""
+    cu_seqlens_q = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=query_lens.device)
+    cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
+    return PagedMetadata(block_tables.to(torch.int32), context_lens.to(torch.int32), cu_seqlens_q,
+                         int(query_lens.max()), block_tables.shape[1] * block_size)
+
+
+def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
+           scale: float) -> torch.Tensor:
+    """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]."""
+    if meta.max_query_len == 1:
+        return paged_attention_decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                      max_context_len=meta.max_context_len)
+    return paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                   meta.context_lens, scale, max_query_len=meta.max_query_len)

@@ -185,6 +185,22 @@ def test_chunked_prefill_then_decode_equals_dense_attention_over_the_prompt() ->
     assert_close(torch.cat(outputs), dense_causal(batch, 0, prompt_len + 1, scale), torch.float32)
 
 
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 12]])
+def test_prepare_and_attend_agree_across_backends(new_tokens: list[int]) -> None:
+    """The per-step interface the model runner uses: prepare once, attend in every layer."""
+    context_lens = [14, 3, 25]
+    batch = make_batch(context_lens, num_heads=6, num_kv_heads=2, dtype=torch.float32, seed=4)
+    query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
+    query_lens = torch.tensor(new_tokens, dtype=torch.int32)
+    outputs = []
+    for backend in BACKENDS.values():
+        meta = backend.prepare(batch.block_tables, batch.context_lens, query_lens, BLOCK_SIZE)
+        outputs.append(backend.attend(query, batch.k_cache, batch.v_cache, meta, 0.2))
+    dense = torch.cat([dense_causal(batch, seq, n, 0.2) for seq, n in enumerate(new_tokens)])
+    for out in outputs:
+        assert_close(out, dense, torch.float32)
+
+
 def test_triton_module_imports_without_triton_installed() -> None:
     code = ("import sys; sys.modules['triton'] = None\n"
             "import kernels.triton_paged as t\n"
