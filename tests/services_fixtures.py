@@ -21,6 +21,7 @@ CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
 
 @dataclass
 class ServiceStack:
+    redis_port: int
     redis_url: str
     router_address: str
     scheduler_addresses: list[str]
@@ -42,18 +43,31 @@ class ServiceStack:
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url)
 
+    def restart_redis(self, while_down) -> None:
+        """Stop Redis, run while_down(), start an empty Redis on the same port."""
+        old = next(p for p in self.stack.processes if p.args[0] == "redis-server")
+        old.kill()
+        old.wait()
+        self.stack.processes.remove(old)
+        while_down()
+        start_redis(self.stack, self.redis_port)
+
     def stop(self) -> None:
         for channel in self.channels.values():
             channel.close()
         self.stack.stop()
 
 
+def start_redis(stack: Stack, port: int) -> subprocess.Popen:
+    return stack.start(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                        "no"], "redis-server", stdout=subprocess.DEVNULL)
+
+
 def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: str) -> ServiceStack:
     stack = Stack()
     try:
         redis_port = free_port()
-        stack.start(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no"], "redis-server", stdout=subprocess.DEVNULL)
+        start_redis(stack, redis_port)
         redis_url = f"redis://127.0.0.1:{redis_port}"
         flags = {"--model": str(model_dir), "--dtype": "float32", "--device": "cpu",
                  "--kv-cache-memory": str(KV_CACHE_BYTES), "--redis-url": redis_url,
@@ -72,7 +86,7 @@ def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: 
                     "router", env=CHILD_ENV)
         router_address = f"127.0.0.1:{router_port}"
         wait_for_health(router_address, stack, timeout=60)
-        services = ServiceStack(redis_url, router_address, addresses, stack, schedulers)
+        services = ServiceStack(redis_port, redis_url, router_address, addresses, stack, schedulers)
         wait_until(lambda: len(registered_schedulers(services)) == num_schedulers, "schedulers registered")
         return services
     except BaseException:
@@ -81,7 +95,10 @@ def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: 
 
 
 def registered_schedulers(services: ServiceStack) -> list[bytes]:
-    return list(services.redis().scan_iter(match="ferry:scheduler:*"))
+    try:
+        return list(services.redis().scan_iter(match="ferry:scheduler:*"))
+    except redis.ConnectionError:   # Redis still starting
+        return []
 
 
 def wait_until(predicate, what: str, timeout: float = 30.0) -> None:

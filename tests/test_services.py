@@ -193,6 +193,19 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
     assert scheduler.poll() is None
 
 
+def test_requests_are_served_while_redis_is_down_and_schedulers_register_again(services, engine):
+    expected = engine_greedy(engine, PROMPTS[12:16], 8)
+
+    def serve_without_redis():
+        for prompt, want in zip(PROMPTS[12:16], expected):
+            token_ids, _, _ = collect(services.router().Generate(
+                router_pb2.GenerateRequest(text=prompt, sampling=greedy(8))))
+            assert token_ids == want.token_ids
+
+    services.restart_redis(serve_without_redis)
+    wait_until(lambda: len(registered_schedulers(services)) == 2, "schedulers registered in the new redis")
+
+
 def test_killed_scheduler_stops_receiving_requests_within_the_ttl(services, engine):
     victim, survivor = services.schedulers[0], services.scheduler_addresses[1]
     victim.send_signal(signal.SIGKILL)
