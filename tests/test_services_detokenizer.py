@@ -1,0 +1,93 @@
+"""The router's incremental detokenizer and stop strings, against the real tiny tokenizer (no processes)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.detokenizer import IncrementalDetokenizer, held_back_length
+from router.policy import RoutingInput, least_loaded
+from router.tokenizer import RouterTokenizer
+from scheduler.registry import SchedulerInfo
+
+TEXT = "Ünïcödé têxt, emoji 🚢⛴️ and 中文字符 must survive incremental detokenization."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir) -> RouterTokenizer:
+    return RouterTokenizer(str(tiny_llama_dir))
+
+
+def stream(tokenizer, token_ids, chunks, stops=()):
+    detok = IncrementalDetokenizer(tokenizer.decode, tuple(stops))
+    deltas, i = [], 0
+    for size in chunks:
+        piece = token_ids[i:i + size]
+        i += size
+        delta = detok.add(piece, final=i >= len(token_ids))
+        deltas.append(delta)
+        if delta.stop_string or i >= len(token_ids):
+            break
+    return deltas
+
+
+def test_router_tokenizer_matches_transformers(tokenizer, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ids = reference(TEXT, add_special_tokens=False).input_ids
+    assert tokenizer.encode(TEXT) == ids
+    assert tokenizer.decode(ids + [reference.eos_token_id]) == reference.decode(ids + [reference.eos_token_id],
+                                                                                 skip_special_tokens=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    assert tokenizer.encode_chat(chat) == list(reference.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_deltas_concatenate_to_the_full_text_and_never_split_a_character(tokenizer, data):
+    token_ids = data.draw(st.lists(st.integers(0, 455), min_size=1, max_size=40)) if data.draw(st.booleans()) \
+        else tokenizer.encode(TEXT)
+    chunks = data.draw(st.lists(st.integers(1, 3), min_size=len(token_ids), max_size=len(token_ids)))
+    deltas = stream(tokenizer, token_ids, chunks)
+    assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids)
+    if "\ufffd" not in tokenizer.decode(token_ids):
+        assert all(not d.text.endswith("\ufffd") for d in deltas)
+
+
+@pytest.mark.parametrize("stop", ["emoji", "中文", "🚢", "tion.", "ïc"])
+def test_stop_string_split_across_tokens_is_caught_and_never_streamed(tokenizer, stop):
+    token_ids = tokenizer.encode(TEXT)
+    deltas = stream(tokenizer, token_ids, [1] * len(token_ids), stops=[stop, "never there"])
+    assert deltas[-1].stop_string == stop
+    streamed = "".join(d.text for d in deltas)
+    assert streamed == TEXT[:TEXT.index(stop)]
+
+
+def test_held_back_length_is_the_longest_possible_stop_start():
+    assert held_back_length("hello wor", ("world",)) == 3
+    assert held_back_length("hello", ("xyz",)) == 0
+    assert held_back_length("abcab", ("abcabd", "b")) == 5
+
+
+def info(scheduler_id: str, running: int) -> SchedulerInfo:
+    return SchedulerInfo(scheduler_id, f"{scheduler_id}:1", "m", "/m", 16, 1024, 512, num_running=running)
+
+
+def test_least_loaded_prefers_idle_schedulers_and_keeps_equal_prefixes_together():
+    busy, idle_a, idle_b = info("busy", 5), info("a", 0), info("b", 0)
+    first = [least_loaded([busy, idle_a, idle_b], RoutingInput([1] * 32, [h, h + 1], {}))[0].scheduler_id
+             for h in range(200)]
+    assert "busy" not in first and {"a", "b"} == set(first)   # ties spread by the prefix hash
+    again = [least_loaded([idle_b, idle_a, busy], RoutingInput([1] * 32, [h, h + 7], {}))[0].scheduler_id
+             for h in range(200)]
+    assert first == again                                     # same first block, same scheduler
+
+
+def test_router_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, router.server, router.__main__; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
