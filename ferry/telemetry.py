@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span
@@ -22,7 +23,7 @@ PROPAGATOR = TraceContextTextMapPropagator()
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tracing:
     tracer: trace.Tracer
     provider: object | None = None     # the SDK TracerProvider when on
@@ -96,3 +97,24 @@ def link_to(traceparent_value: str) -> Link | None:
 
 def links_to(traceparents: Iterable[str]) -> list[Link]:
     return [link for link in map(link_to, traceparents) if link is not None]
+
+
+class TraceContextMiddleware:
+    """ASGI: an incoming HTTP `traceparent` becomes the current trace context while the request is handled,
+    so the spans its handler starts are children of the caller's."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        parent = None
+        if scope["type"] == "http":
+            parent = extract_metadata((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+        if parent is None:
+            await self.app(scope, receive, send)
+            return
+        token = otel_context.attach(parent)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            otel_context.detach(token)

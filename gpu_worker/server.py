@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ferry.telemetry import TRACING_OFF, Tracing, links_to, setup_tracing
 from protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -20,11 +21,12 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, health_servicer: health.HealthServicer):
+    def __init__(self, health_servicer: health.HealthServicer, tracing: Tracing = TRACING_OFF):
         from gpu_worker.worker import Worker
 
         self.worker = Worker()
         self.health = health_servicer
+        self.tracing = tracing
         self.lock = threading.Lock()     # the scheduler sends one step at a time; this keeps it so
 
     def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
@@ -38,7 +40,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         with self.lock:
-            return self.worker.step(request)
+            if not request.traceparents:
+                return self.worker.step(request)
+            return self.traced_step(request)
+
+    def traced_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        """One step span, linked to every request span it served (a step serves many traces at once)."""
+        with self.tracing.tracer.start_as_current_span("worker.step", links=links_to(request.traceparents)) as span:
+            result = self.worker.step(request)
+            span.set_attributes({"ferry.step_id": request.step_id, "ferry.num_new_seqs": len(request.new_seqs),
+                                 "ferry.num_cached_seqs": len(request.cached_seqs),
+                                 "ferry.num_scheduled_tokens": sum(s.num_scheduled_tokens for s in request.new_seqs)
+                                 + sum(s.num_scheduled_tokens for s in request.cached_seqs),
+                                 "ferry.num_sampled": len(result.sampled),
+                                 "ferry.forward_seconds": result.forward_seconds})
+            return result
 
 
 def exit_with_parent(parent_pid: int) -> None:
@@ -59,8 +75,9 @@ def exit_with_parent(parent_pid: int) -> None:
 
 def serve(socket_path: str) -> None:
     health_servicer = health.HealthServicer()
+    tracing = setup_tracing("ferry-worker")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(health_servicer), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(health_servicer, tracing), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"unix:{socket_path}")
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -72,3 +89,4 @@ def serve(socket_path: str) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=1).wait()
+    tracing.shutdown()

@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
 
 from ferry.sampling_params import SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.block_hash import hash_blocks
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
+from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from scheduler.registry import SchedulerInfo
@@ -84,22 +86,41 @@ class Router:
     directory: SchedulerDirectory
     policy: RoutingPolicy = least_loaded
     pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    telemetry: RouterTelemetry = field(default_factory=RouterTelemetry)
 
-    async def generate(self, request: router_pb2.GenerateRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def generate(self, request: router_pb2.GenerateRequest,
+                       trace_parent: Context | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP)."""
+        observed = self.telemetry.start(trace_parent)
+        try:
+            async for response in self.route_and_proxy(request, observed):
+                observed.on_response(response)
+                yield response
+        except RequestError as e:
+            observed.fail(e.code.name, e.message)
+            raise
+        finally:
+            observed.finish()
+
+    async def route_and_proxy(self, request: router_pb2.GenerateRequest,
+                              observed: RequestObservation) -> AsyncIterator[router_pb2.GenerateResponse]:
         params = parse_sampling(request)
         candidates = self.candidates(request.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
         prompt_ids = prompt_token_ids(request, tokenizer)
         check_length(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
-        ranked = self.policy(candidates, RoutingInput(prompt_ids, hashes, dict(self.pending)))
+        routing = RoutingInput(prompt_ids, hashes, dict(self.pending))
+        ranked = self.policy(candidates, routing)
         state = StreamState(request.request_id or uuid.uuid4().hex, len(prompt_ids),
                             [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
                                                                 params.include_stop_str_in_output))
                              for _ in range(params.n)])
         upstream = scheduler_pb2.ScheduleRequest(request_id=state.request_id, prompt_token_ids=prompt_ids,
                                                  sampling=params.to_proto())
-        async for response in self.proxy(ranked, upstream, state):
+        observed.routed(state.request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
+                        ranked, getattr(routing, "matched_blocks", {}), len(hashes))
+        async for response in self.proxy(ranked, upstream, state, observed):
             yield response
 
     def candidates(self, model: str) -> list[SchedulerInfo]:
@@ -116,11 +137,13 @@ class Router:
         return schedulers
 
     async def proxy(self, ranked: list[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest,
-                    state: StreamState) -> AsyncIterator[router_pb2.GenerateResponse]:
+                    state: StreamState, observed: RequestObservation) -> AsyncIterator[router_pb2.GenerateResponse]:
         for target in ranked[:MAX_ATTEMPTS]:
             started = False
             self.pending[target.scheduler_id] += 1
-            call = scheduler_pb2_grpc.SchedulerStub(self.directory.channel(target.address)).Generate(upstream)
+            observed.attempt(target)
+            call = scheduler_pb2_grpc.SchedulerStub(self.directory.channel(target.address)).Generate(
+                upstream, metadata=observed.metadata)
             try:
                 async for message in call:
                     response = state.on_response(message)

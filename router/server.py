@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ferry.telemetry import extract_metadata, setup_tracing
 from protos import router_pb2, router_pb2_grpc
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
+from router.metrics import RouterTelemetry
 from router.openai_api import create_app, directory_models, serve_http
 from router.policy import POLICIES
 
@@ -24,7 +26,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for response in self.router.generate(request):
+            async for response in self.router.generate(request, extract_metadata(context.invocation_metadata())):
                 yield response
         except RequestError as e:
             await context.abort(e.code, e.message)
@@ -46,7 +48,8 @@ class RouterOptions:
 async def serve(options: RouterOptions) -> int:
     directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path)
     await directory.start()
-    router = Router(directory, POLICIES[options.policy])
+    tracing = setup_tracing("ferry-router")
+    router = Router(directory, POLICIES[options.policy], telemetry=RouterTelemetry(tracing=tracing))
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
     health_servicer = health.aio.HealthServicer()
@@ -56,6 +59,7 @@ async def serve(options: RouterOptions) -> int:
     http = None
     if options.http_port:
         app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None)
+        router.telemetry.instrument(app)
         http = await serve_http(app, options.http_host, options.http_port)
         print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -69,4 +73,5 @@ async def serve(options: RouterOptions) -> int:
         await http.stop()
     await server.stop(grace=2)
     await directory.close()
+    tracing.shutdown()
     return 0

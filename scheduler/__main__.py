@@ -46,6 +46,8 @@ def main() -> int:
     parser.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", ""))
     parser.add_argument("--scheduler-id", default="")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0, help="seconds a registration lives")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: none")
+    parser.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines; 0: none")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
@@ -53,7 +55,8 @@ def main() -> int:
 
     options = ServeOptions(host=args.host, port=args.port, advertise_host=args.advertise_host,
                            redis_url=args.redis_url, scheduler_id=args.scheduler_id,
-                           heartbeat_ttl=args.heartbeat_ttl)
+                           heartbeat_ttl=args.heartbeat_ttl, metrics_port=args.metrics_port,
+                           log_stats_interval=args.log_stats_interval)
     return asyncio.run(serve(engine_config(args), options))
 
 

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.context import Context
 
 from ferry.config import EngineConfig
 from ferry.engine import init_request
 from ferry.sampling_params import SamplingParams
+from ferry.telemetry import TRACING_OFF, Tracing, extract_metadata, setup_tracing
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.core import RequestOutput, Scheduler
+from scheduler.metrics import Reporting, SchedulerMetrics, SchedulerTelemetry
 from scheduler.registry import Registry, SchedulerInfo
 
 log = logging.getLogger(__name__)
@@ -96,7 +99,8 @@ class RequestStream:
 class EngineLoop:
     """Owns the core Scheduler and its worker; the only code that calls schedule/update."""
 
-    def __init__(self, config: EngineConfig, worker: WorkerProcess, info: worker_pb2.InitResponse):
+    def __init__(self, config: EngineConfig, worker: WorkerProcess, info: worker_pb2.InitResponse,
+                 tracing: Tracing = TRACING_OFF):
         self.config = config
         self.worker = worker
         self.info = info
@@ -105,24 +109,28 @@ class EngineLoop:
         self.wakeup = asyncio.Event()
         self.on_kv_events = lambda stored, removed: None
         self.failure: str | None = None
+        self.telemetry = SchedulerTelemetry(SchedulerMetrics(self.load, info.model_name), tracing)
 
     def new_scheduler(self) -> Scheduler:
         info = self.info
         return Scheduler(self.config, info.num_blocks, info.block_size, info.max_model_len,
                          list(info.eos_token_ids), info.model_name)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    trace_parent: Context | None = None) -> RequestStream:
         if self.failure:
             raise WorkerFailed(self.failure)
         if any(t >= self.info.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {self.info.vocab_size})")
         self.scheduler.add_request(request_id, prompt_token_ids, params)
+        self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = self.streams[request_id] = RequestStream(params.n)
         self.wakeup.set()
         return stream
 
     def abort(self, request_id: str) -> bool:
         self.streams.pop(request_id, None)
+        self.telemetry.on_abort(request_id)
         return self.scheduler.abort_request(request_id)
 
     async def run(self) -> None:
@@ -145,8 +153,11 @@ class EngineLoop:
             if step is None:
                 await self.wait_for_work()
                 continue
+            self.telemetry.on_step(step)
             result = await self.worker.step(step)
-            self.deliver(self.scheduler.update(step, result))
+            outputs = self.scheduler.update(step, result)
+            self.telemetry.on_outputs(outputs)
+            self.deliver(outputs)
             self.on_kv_events(*self.scheduler.drain_kv_events())
 
     async def restart_worker(self) -> None:
@@ -175,6 +186,7 @@ class EngineLoop:
         self.failure = reason
         for request_id, stream in list(self.streams.items()):
             stream.outputs.put_nowait(WorkerFailed(reason))
+            self.telemetry.on_abort(request_id)
             self.scheduler.abort_request(request_id)
         self.streams.clear()
 
@@ -203,7 +215,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             params = SamplingParams.from_proto(request.sampling)
-            stream = self.loop.add_request(request_id, list(request.prompt_token_ids), params)
+            stream = self.loop.add_request(request_id, list(request.prompt_token_ids), params,
+                                           extract_metadata(context.invocation_metadata()))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerFailed as e:
@@ -239,6 +252,8 @@ class ServeOptions:
     redis_url: str = ""
     scheduler_id: str = ""
     heartbeat_ttl: float = 3.0
+    metrics_port: int = 0             # 0: no /metrics endpoint
+    log_stats_interval: float = 10.0  # seconds between stats lines; 0: none
 
 
 def reachable_ip() -> str:
@@ -260,9 +275,11 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     """Serve until SIGTERM/SIGINT (exit code 0) or until the worker fails (1)."""
     config.validate()
     worker = WorkerProcess()
+    tracing = setup_tracing("ferry-scheduler")
+    reporting = None
     try:
         info = await worker.start(config)
-        loop = EngineLoop(config, worker, info)
+        loop = EngineLoop(config, worker, info, tracing)
         scheduler_id = options.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         server = grpc.aio.server(options=GRPC_OPTIONS)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop, scheduler_id), server)
@@ -271,6 +288,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         port = server.add_insecure_port(f"{options.host}:{options.port}")
         await server.start()
         address = advertised_address(options, port)
+        reporting = await Reporting.start(loop.telemetry.metrics, loop.load, options.host, options.metrics_port,
+                                          options.log_stats_interval)
 
         def registration() -> SchedulerInfo:
             stats = loop.scheduler.stats()
@@ -289,7 +308,10 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         await run_until_signalled(loop, server, registry)
         return 1 if loop.failure else 0
     finally:
+        if reporting is not None:
+            await reporting.stop()
         await worker.stop()   # the loop restarts workers in place: this is always the current one
+        tracing.shutdown()
 
 
 async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, registry: Registry | None) -> None:

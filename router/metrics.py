@@ -1,0 +1,139 @@
+"""The router's telemetry: Prometheus metrics (names close to vLLM's) and the root span of every request's trace.
+
+The span carries the routing decision (policy, candidates, prefix blocks each candidate holds, winner) and its
+context goes upstream in the scheduler call's gRPC metadata. Latencies are measured where the client sees
+them: from the request's arrival at the router to each token leaving it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ferry.telemetry import TRACING_OFF, TraceContextMiddleware, Tracing, inject_metadata
+from protos import common_pb2, router_pb2
+from scheduler.registry import SchedulerInfo
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+FINISH_REASON_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
+                       common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("ferry:num_requests_running", "Requests this router is proxying.", registry=r)
+        self.routed = Counter("ferry:router_requests_routed", "Requests sent to each scheduler.",
+                              ["scheduler_id"], registry=r)
+        self.ttft = Histogram("ferry:time_to_first_token_seconds", "Arrival at the router to first token out.",
+                              registry=r, buckets=LATENCY_BUCKETS)
+        self.inter_token = Histogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.",
+                                     registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("ferry:e2e_request_latency_seconds", "Arrival to last token.", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        self.finished = Counter("ferry:request_success", "Finished requests by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.failed = Counter("ferry:request_failure", "Requests that ended in an error, by gRPC status.",
+                              ["code"], registry=r)
+        self.prompt_tokens = Counter("ferry:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("ferry:generation_tokens", "Tokens streamed to clients.", registry=r)
+
+    async def endpoint(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass
+class RouterTelemetry:
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    tracing: Tracing = TRACING_OFF
+    clock: Callable[[], float] = time.monotonic
+
+    def start(self, trace_parent: Context | None) -> RequestObservation:
+        span = None
+        if self.tracing.enabled:
+            span = self.tracing.tracer.start_span("router.generate", context=trace_parent, kind=SpanKind.SERVER)
+        self.metrics.running.inc()
+        return RequestObservation(self, self.clock(), span)
+
+    def instrument(self, app: FastAPI) -> None:
+        """/metrics on the router's HTTP app; an incoming `traceparent` parents the spans of its requests."""
+        app.add_api_route("/metrics", self.metrics.endpoint, methods=["GET"], include_in_schema=False)
+        if self.tracing.enabled:
+            app.add_middleware(TraceContextMiddleware)
+
+
+@dataclass
+class RequestObservation:
+    """One request at the router, from arrival to its last token (or error)."""
+    telemetry: RouterTelemetry
+    arrival: float
+    span: Span | None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated: int = 0
+    finish_reason: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.span is not None:
+            self.metadata = inject_metadata(self.span)
+
+    def routed(self, request_id: str, policy: str, num_prompt_tokens: int, ranked: Sequence[SchedulerInfo],
+               matched_blocks: Mapping[str, int], num_prompt_blocks: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        if self.span is not None:
+            self.span.set_attributes({
+                "ferry.request_id": request_id, "ferry.num_prompt_tokens": num_prompt_tokens,
+                "ferry.route.policy": policy, "ferry.route.num_prompt_blocks": num_prompt_blocks,
+                "ferry.route.candidates": [info.scheduler_id for info in ranked],
+                "ferry.route.prefix_blocks_matched": [matched_blocks.get(info.scheduler_id, 0) for info in ranked]})
+
+    def attempt(self, target: SchedulerInfo) -> None:
+        self.telemetry.metrics.routed.labels(target.scheduler_id).inc()
+        if self.span is not None:
+            self.span.set_attributes({"ferry.route.winner": target.scheduler_id,
+                                      "ferry.route.winner_address": target.address})
+
+    def on_response(self, response: router_pb2.GenerateResponse) -> None:
+        metrics, now = self.telemetry.metrics, self.telemetry.clock()
+        if response.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                metrics.ttft.observe(now - self.arrival)
+                if self.span is not None:
+                    self.span.add_event("first_token")
+            elif now > self.last_token_at:
+                metrics.inter_token.observe(now - self.last_token_at)
+            self.last_token_at = now
+            self.num_generated += len(response.token_ids)
+            metrics.generation_tokens.inc(len(response.token_ids))
+        if response.finish_reason:
+            self.finish_reason = FINISH_REASON_NAMES.get(response.finish_reason, "")
+
+    def fail(self, code: str, message: str) -> None:
+        self.telemetry.metrics.failed.labels(code).inc()
+        if self.span is not None:
+            self.span.set_status(Status(StatusCode.ERROR, message))
+            self.span.set_attribute("ferry.error_code", code)
+
+    def finish(self) -> None:
+        metrics, now = self.telemetry.metrics, self.telemetry.clock()
+        metrics.running.dec()
+        if self.finish_reason:
+            metrics.e2e.observe(now - self.arrival)
+            metrics.finished.labels(self.finish_reason).inc()
+            metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        if self.span is not None:
+            self.span.set_attributes({"ferry.finish_reason": self.finish_reason or "none",
+                                      "ferry.num_generated_tokens": self.num_generated})
+            self.span.end()

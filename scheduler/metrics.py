@@ -1,0 +1,291 @@
+"""The scheduler's telemetry: Prometheus metrics (names close to vLLM's), one span per request, and a periodic
+one-line log.
+
+Gauges and cumulative counters are read from `Scheduler.stats()` at scrape time, so the loop pays nothing for
+them; latencies are stamped as events where they happen (arrival, first token, each token, finish) and turned
+into histograms and span attributes at the end. /metrics is served on the scheduler's own asyncio loop, so a
+scrape never reads the scheduler's state from another thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ferry.telemetry import TRACING_OFF, Tracing, traceparent
+from protos import scheduler_pb2, worker_pb2
+from scheduler.core import RequestOutput
+
+log = logging.getLogger(__name__)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+StatsFn = Callable[[], scheduler_pb2.StatsResponse]
+
+
+def kv_cache_usage(stats: scheduler_pb2.StatsResponse) -> float:
+    """Fraction of KV blocks held by live sequences (free blocks that still cache a prefix count as free)."""
+    return 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+
+
+class StatsCollector:
+    """Gauges and counters straight from the core scheduler's own counters, read when Prometheus scrapes."""
+
+    def __init__(self, stats: StatsFn, model_name: str):
+        self.stats = stats
+        self.labels = ["model_name"], [model_name]
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats()
+        yield self.gauge("ferry:num_requests_running", "Requests scheduled this step (running).", s.num_running)
+        yield self.gauge("ferry:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self.gauge("ferry:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", kv_cache_usage(s))
+        yield self.counter("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                           s.prefix_cache_queries)
+        yield self.counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                           s.prefix_cache_hits)
+        yield self.counter("ferry:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        yield self.counter("ferry:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens_total)
+        yield self.counter("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
+
+    def gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=self.labels[0])
+        family.add_metric(self.labels[1], value)
+        return family
+
+    def counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, documentation, labels=self.labels[0])
+        family.add_metric(self.labels[1], value)
+        return family
+
+
+class SchedulerMetrics:
+    """This scheduler's Prometheus registry: the stats collector plus latency histograms and finish reasons."""
+
+    def __init__(self, stats: StatsFn, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(stats, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram("ferry:time_to_first_token_seconds", "Time to first token.", labels,
+                              registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
+        self.inter_token = Histogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.",
+                                     labels, registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
+        self.e2e = Histogram("ferry:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                             registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
+        self.finished = Counter("ferry:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestRecord:
+    """Stamps for one request while the scheduler holds it."""
+    arrival: float
+    num_samples: int
+    num_prompt_tokens: int
+    span: Span | None = None
+    traceparent: str = ""
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    num_finished: int = 0
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    seq_ids_sent: set[str] = field(default_factory=set)
+
+
+def request_id_of(seq_id: str) -> str:
+    return seq_id.rsplit("/", 1)[0]
+
+
+class SchedulerTelemetry:
+    """What the engine loop tells about each request, turned into histograms and (when tracing) spans."""
+
+    def __init__(self, metrics: SchedulerMetrics, tracing: Tracing = TRACING_OFF,
+                 clock: Callable[[], float] = time.monotonic):
+        self.metrics = metrics
+        self.tracing = tracing
+        self.clock = clock
+        self.records: dict[str, RequestRecord] = {}
+
+    def on_arrival(self, request_id: str, num_prompt_tokens: int, num_samples: int,
+                   parent: Context | None = None) -> None:
+        record = RequestRecord(self.clock(), num_samples, num_prompt_tokens)
+        if self.tracing.enabled:
+            record.span = self.tracing.tracer.start_span(
+                "scheduler.request", context=parent, kind=SpanKind.SERVER,
+                attributes={"ferry.request_id": request_id, "ferry.num_prompt_tokens": num_prompt_tokens,
+                            "ferry.n": num_samples})
+            record.traceparent = traceparent(record.span)
+        self.records[request_id] = record
+
+    def on_step(self, step: worker_pb2.StepRequest) -> None:
+        """Prefill chunks, scheduling and resumption events; names the served requests in the step."""
+        if not self.tracing.enabled:
+            return
+        now, served = self.clock(), {}
+        for seq in step.new_seqs:
+            record = self.records.get(request_id_of(seq.seq_id))
+            if record is not None:
+                self.on_new_sequence(record, seq, now)
+                served[record.traceparent] = None
+        for seq in step.cached_seqs:
+            record = self.records.get(request_id_of(seq.seq_id))
+            if record is not None:
+                self.on_prefill_chunk(record, seq.num_computed_tokens, seq.num_scheduled_tokens)
+                served[record.traceparent] = None
+        step.traceparents.extend(served)
+
+    def on_new_sequence(self, record: RequestRecord, seq: worker_pb2.NewSequence, now: float) -> None:
+        if record.scheduled_at is None:
+            record.scheduled_at = now
+            record.span.add_event("scheduled", {"ferry.queue_time_s": now - record.arrival,
+                                                "ferry.prefix_cached_tokens": seq.num_computed_tokens})
+        elif seq.seq_id in record.seq_ids_sent:
+            record.num_preemptions += 1
+            record.span.add_event("resumed_after_preemption", {"ferry.seq_id": seq.seq_id,
+                                                               "ferry.num_tokens": len(seq.token_ids)})
+        record.seq_ids_sent.add(seq.seq_id)
+        self.on_prefill_chunk(record, seq.num_computed_tokens, seq.num_scheduled_tokens)
+
+    def on_prefill_chunk(self, record: RequestRecord, num_computed: int, num_scheduled: int) -> None:
+        if num_computed < record.num_prompt_tokens and record.first_token_at is None:
+            record.num_prefill_chunks += 1
+            record.span.add_event("prefill_chunk", {"ferry.num_computed_tokens": num_computed,
+                                                    "ferry.num_scheduled_tokens": num_scheduled})
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        now = self.clock()
+        for out in outputs:
+            record = self.records.get(out.request_id)
+            if record is not None:
+                self.on_output(out.request_id, record, out, now)
+
+    def on_output(self, request_id: str, record: RequestRecord, out: RequestOutput, now: float) -> None:
+        if out.new_token_ids:
+            if record.first_token_at is None:
+                record.first_token_at = now
+                self.metrics.ttft.observe(now - record.arrival)
+                if record.span is not None:
+                    record.span.add_event("first_token", {"ferry.time_to_first_token_s": now - record.arrival})
+            elif now > record.last_token_at:
+                self.metrics.inter_token.observe(now - record.last_token_at)
+            record.last_token_at = now
+            record.num_generated += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            record.num_finished += 1
+            record.finish_reasons.append(out.finish_reason)
+            if record.num_finished >= record.num_samples:
+                self.finish(request_id, out.finish_reason)
+
+    def on_abort(self, request_id: str) -> None:
+        if request_id in self.records:
+            self.finish(request_id, "abort")
+
+    def finish(self, request_id: str, finish_reason: str) -> None:
+        record = self.records.pop(request_id)
+        now = self.clock()
+        self.metrics.e2e.observe(now - record.arrival)
+        self.metrics.finished.labels(self.metrics.model_name, finish_reason).inc()
+        if record.span is not None:
+            self.end_span(record, finish_reason, now)
+
+    def end_span(self, record: RequestRecord, finish_reason: str, now: float) -> None:
+        attributes = {"ferry.finish_reason": finish_reason, "ferry.num_generated_tokens": record.num_generated,
+                      "ferry.num_preemptions": record.num_preemptions,
+                      "ferry.num_prefill_chunks": record.num_prefill_chunks,
+                      "ferry.e2e_latency_s": now - record.arrival}
+        if record.scheduled_at is not None:
+            attributes["ferry.queue_time_s"] = record.scheduled_at - record.arrival
+        if record.first_token_at is not None:
+            attributes["ferry.time_to_first_token_s"] = record.first_token_at - record.arrival
+        record.span.set_attributes(attributes)
+        record.span.end()
+
+
+async def serve_metrics(metrics: SchedulerMetrics, host: str, port: int) -> asyncio.Server:
+    """GET /metrics on this event loop (any path answers: it is a one-endpoint server)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            body = metrics.exposition()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE_LATEST.encode() +
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(answer, host, port)
+
+
+@dataclass
+class StatsLogger:
+    """Every `interval` seconds while there is work: one line with load, KV usage and throughput, like vLLM's."""
+    stats: StatsFn
+    interval: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    last: scheduler_pb2.StatsResponse | None = None
+    last_at: float = 0.0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            line = self.line()
+            if line:
+                log.info("%s", line)
+
+    def line(self) -> str | None:
+        stats, now = self.stats(), self.clock()
+        last, last_at = self.last, self.last_at
+        self.last, self.last_at = stats, now
+        if last is None or now <= last_at:
+            return None
+        prompt = stats.prompt_tokens_total - last.prompt_tokens_total
+        generated = stats.generation_tokens_total - last.generation_tokens_total
+        if not (prompt or generated or stats.num_running or stats.num_waiting):
+            return None
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        elapsed = now - last_at
+        return (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {generated / elapsed:.1f} tokens/s, "
+                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {100 * kv_cache_usage(stats):.1f}%, "
+                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+
+
+@dataclass
+class Reporting:
+    """The /metrics endpoint (when a port is given) and the periodic stats line, for as long as a scheduler runs."""
+    metrics_server: asyncio.Server | None
+    stats_line: asyncio.Task
+
+    @classmethod
+    async def start(cls, metrics: SchedulerMetrics, stats: StatsFn, host: str, metrics_port: int,
+                    log_interval: float) -> Reporting:
+        server = await serve_metrics(metrics, host, metrics_port) if metrics_port else None
+        if server is not None:
+            log.info("metrics on http://%s:%d/metrics", host, metrics_port)
+        logger = StatsLogger(stats, log_interval) if log_interval > 0 else None
+        return cls(server, asyncio.create_task(logger.run() if logger else asyncio.sleep(0)))
+
+    async def stop(self) -> None:
+        self.stats_line.cancel()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            await self.metrics_server.wait_closed()
