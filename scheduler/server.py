@@ -90,6 +90,9 @@ class WorkerProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+ABORTED = None   # queued on a stream whose request was aborted through Scheduler.Abort
+
+
 @dataclass
 class RequestStream:
     num_samples: int
@@ -129,7 +132,9 @@ class EngineLoop:
         return stream
 
     def abort(self, request_id: str) -> bool:
-        self.streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.outputs.put_nowait(ABORTED)
         self.telemetry.on_abort(request_id)
         return self.scheduler.abort_request(request_id)
 
@@ -221,17 +226,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except WorkerFailed as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        finished, first = 0, True
+        finished: set[int] = set()
+        first = True
         try:
-            while finished < stream.num_samples:
+            while len(finished) < stream.num_samples:
                 out = await stream.outputs.get()
                 if isinstance(out, Exception):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
+                if out is ABORTED:
+                    for index in sorted(set(range(stream.num_samples)) - finished):
+                        yield scheduler_pb2.ScheduleResponse(index=index, finish_reason=FINISH_REASONS["abort"])
+                    return
                 yield to_response(out, first)
                 first = False
-                finished += out.finish_reason is not None
+                if out.finish_reason is not None:
+                    finished.add(out.index)
         finally:
-            if finished < stream.num_samples:   # the caller went away (or a stop string matched upstream)
+            if len(finished) < stream.num_samples:   # the caller went away (or a stop string matched upstream)
                 self.loop.abort(request_id)
             self.loop.streams.pop(request_id, None)
 

@@ -157,6 +157,17 @@ def test_scheduler_rejects_bad_input_with_the_reason(services):
     assert "prompt must not be empty" in error.value.details()
 
 
+def test_abort_ends_the_stream_with_finish_reason_abort_and_frees_blocks(services):
+    stub = scheduler_pb2_grpc.SchedulerStub(services.channel(services.scheduler_addresses[0]))
+    stream = stub.Generate(scheduler_pb2.ScheduleRequest(request_id="to-abort", prompt_token_ids=[5, 6, 7],
+                                                        sampling=greedy(600, ignore_eos=True)))
+    next(stream)
+    assert stub.Abort(scheduler_pb2.AbortRequest(request_id="to-abort")).found
+    assert list(stream)[-1].finish_reason == 3
+    assert not stub.Abort(scheduler_pb2.AbortRequest(request_id="to-abort")).found
+    wait_until(lambda: pool_is_idle(services), "blocks freed after Abort", timeout=10)
+
+
 def worker_pid(scheduler_pid: int) -> int:
     children = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
     assert len(children) == 1
