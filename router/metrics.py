@@ -14,15 +14,13 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ferry.telemetry import TRACING_OFF, TraceContextMiddleware, Tracing, inject_metadata
+from ferry.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
 from protos import common_pb2, router_pb2
 from scheduler.registry import SchedulerInfo
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
 FINISH_REASON_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                        common_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -34,12 +32,11 @@ class RouterMetrics:
         self.running = Gauge("ferry:num_requests_running", "Requests this router is proxying.", registry=r)
         self.routed = Counter("ferry:router_requests_routed", "Requests sent to each scheduler.",
                               ["scheduler_id"], registry=r)
-        self.ttft = Histogram("ferry:time_to_first_token_seconds", "Arrival at the router to first token out.",
-                              registry=r, buckets=LATENCY_BUCKETS)
-        self.inter_token = Histogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.",
-                                     registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("ferry:e2e_request_latency_seconds", "Arrival to last token.", registry=r,
-                             buckets=LATENCY_BUCKETS)
+        self.ttft = LatencyHistogram("ferry:time_to_first_token_seconds", "Arrival at the router to first token out.")
+        self.inter_token = LatencyHistogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.")
+        self.e2e = LatencyHistogram("ferry:e2e_request_latency_seconds", "Arrival to last token.")
+        for histogram in (self.ttft, self.inter_token, self.e2e):
+            r.register(histogram)
         self.finished = Counter("ferry:request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
         self.failed = Counter("ferry:request_failure", "Requests that ended in an error, by gRPC status.",
@@ -116,7 +113,6 @@ class RequestObservation:
                 metrics.inter_token.observe(now - self.last_token_at)
             self.last_token_at = now
             self.num_generated += len(response.token_ids)
-            metrics.generation_tokens.inc(len(response.token_ids))
         if response.finish_reason:
             self.finish_reason = FINISH_REASON_NAMES.get(response.finish_reason, "")
 
@@ -129,6 +125,7 @@ class RequestObservation:
     def finish(self) -> None:
         metrics, now = self.telemetry.metrics, self.telemetry.clock()
         metrics.running.dec()
+        metrics.generation_tokens.inc(self.num_generated)
         if self.finish_reason:
             metrics.e2e.observe(now - self.arrival)
             metrics.finished.labels(self.finish_reason).inc()

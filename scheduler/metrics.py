@@ -16,17 +16,15 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ferry.telemetry import TRACING_OFF, Tracing, traceparent
+from ferry.telemetry import TRACING_OFF, LatencyHistogram, Tracing, traceparent
 from protos import scheduler_pb2, worker_pb2
 from scheduler.core import RequestOutput
 
 log = logging.getLogger(__name__)
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
 StatsFn = Callable[[], scheduler_pb2.StatsResponse]
 
 
@@ -73,15 +71,15 @@ class SchedulerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(stats, model_name))
-        labels = ["model_name"]
-        self.ttft = Histogram("ferry:time_to_first_token_seconds", "Time to first token.", labels,
-                              registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
-        self.inter_token = Histogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.",
-                                     labels, registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
-        self.e2e = Histogram("ferry:e2e_request_latency_seconds", "Arrival to last token.", labels,
-                             registry=self.registry, buckets=LATENCY_BUCKETS).labels(model_name)
+        labels = {"model_name": model_name}
+        self.ttft = LatencyHistogram("ferry:time_to_first_token_seconds", "Time to first token.", labels)
+        self.inter_token = LatencyHistogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.",
+                                            labels)
+        self.e2e = LatencyHistogram("ferry:e2e_request_latency_seconds", "Arrival to last token.", labels)
+        for histogram in (self.ttft, self.inter_token, self.e2e):
+            self.registry.register(histogram)
         self.finished = Counter("ferry:request_success", "Finished requests by finish reason.",
-                                labels + ["finished_reason"], registry=self.registry)
+                                ["model_name", "finished_reason"], registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -102,7 +100,6 @@ class RequestRecord:
     num_finished: int = 0
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
-    finish_reasons: list[str] = field(default_factory=list)
     seq_ids_sent: set[str] = field(default_factory=set)
 
 
@@ -167,28 +164,32 @@ class SchedulerTelemetry:
                                                     "ferry.num_scheduled_tokens": num_scheduled})
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        now = self.clock()
-        for out in outputs:
-            record = self.records.get(out.request_id)
-            if record is not None:
-                self.on_output(out.request_id, record, out, now)
+        now, records, inter_token = self.clock(), self.records, self.metrics.inter_token
+        for out in outputs:   # every step, every running request: kept lean
+            record = records.get(out.request_id)
+            if record is None:
+                continue
+            if out.new_token_ids:
+                last = record.last_token_at
+                if last is None:
+                    self.on_first_token(record, now)
+                elif now > last:
+                    inter_token.observe(now - last)
+                record.last_token_at = now
+                record.num_generated += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.on_sample_finished(out.request_id, record, out.finish_reason)
 
-    def on_output(self, request_id: str, record: RequestRecord, out: RequestOutput, now: float) -> None:
-        if out.new_token_ids:
-            if record.first_token_at is None:
-                record.first_token_at = now
-                self.metrics.ttft.observe(now - record.arrival)
-                if record.span is not None:
-                    record.span.add_event("first_token", {"ferry.time_to_first_token_s": now - record.arrival})
-            elif now > record.last_token_at:
-                self.metrics.inter_token.observe(now - record.last_token_at)
-            record.last_token_at = now
-            record.num_generated += len(out.new_token_ids)
-        if out.finish_reason is not None:
-            record.num_finished += 1
-            record.finish_reasons.append(out.finish_reason)
-            if record.num_finished >= record.num_samples:
-                self.finish(request_id, out.finish_reason)
+    def on_first_token(self, record: RequestRecord, now: float) -> None:
+        record.first_token_at = now
+        self.metrics.ttft.observe(now - record.arrival)
+        if record.span is not None:
+            record.span.add_event("first_token", {"ferry.time_to_first_token_s": now - record.arrival})
+
+    def on_sample_finished(self, request_id: str, record: RequestRecord, finish_reason: str) -> None:
+        record.num_finished += 1
+        if record.num_finished >= record.num_samples:
+            self.finish(request_id, finish_reason)
 
     def on_abort(self, request_id: str) -> None:
         if request_id in self.records:
