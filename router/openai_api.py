@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos import common_pb2, router_pb2
@@ -37,6 +37,7 @@ from router.tokenizer import RouterTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+B = TypeVar("B", bound=BaseModel)
 
 GenerateFn = Callable[[router_pb2.GenerateRequest], AsyncIterator[router_pb2.GenerateResponse]]
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
@@ -128,29 +129,34 @@ def api_error(error: Exception) -> APIError:
     return APIError(500, "internal error")
 
 
-def validation_error(error: RequestValidationError) -> APIError:
+def validation_error(error: ValidationError) -> APIError:
     first = error.errors()[0]
-    loc = [str(part) for part in first.get("loc", ())[1:]]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    loc = [str(part) for part in first.get("loc", ())]
     if not loc:
         return APIError(400, f"request body: {first['msg']}")
-    param = loc[0]
-    return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=param)
+    return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
+
+
+async def parse_body(request: Request, schema: type[B]) -> B:
+    """The JSON body as schema, whatever Content-Type the client claimed (curl -d sends a form type)."""
+    try:
+        data = json.loads(await request.body())
+    except ValueError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from e
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from e
 
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
 
-    async def on_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return validation_error(error).response()
-
     async def on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return APIError(error.status_code, str(error.detail)).response()
 
     app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
 
 
@@ -418,7 +424,8 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "ferry",
                                             "max_model_len": m.max_model_len} for m in self.models()]}
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -426,7 +433,8 @@ class OpenAIServer:
         return await self.respond(request, body.generate_request(request_id, model.route_name), fmt, body.stream,
                                   body.num_samples)
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
