@@ -515,8 +515,12 @@ class HttpServer:
 async def serve_http(app: FastAPI, host: str, port: int) -> HttpServer:
     """Start serving app on host:port in the running event loop; OSError if the port cannot be bound."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     server = EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

@@ -60,8 +60,11 @@ async def serve(options: RouterOptions) -> int:
     if options.http_port:
         app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None)
         router.telemetry.instrument(app)
-        http = await serve_http(app, options.http_host, options.http_port)
-        print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
+        try:
+            http = await serve_http(app, options.http_host, options.http_port)
+            print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
+        except OSError as e:   # gRPC clients are still served; the operator sees why HTTP is not
+            log.error("cannot serve HTTP on %s:%d (%s): serving gRPC only", options.http_host, options.http_port, e)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("ferry.Router", health_pb2.HealthCheckResponse.SERVING)
     print(f"router serving gRPC on {options.host}:{port}", flush=True)
