@@ -280,7 +280,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=_next_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PARTITION_SIZE=partition_size, SINGLE_PARTITION=single, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=4 if head_dim <= 128 else 8)
+        num_warps=4 if head_dim <= 128 else 8, num_stages=2 if upcast else 3)
     if not single:
         _merge_partitions_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, num_heads, num_partitions, out.stride(0), out.stride(1),
@@ -314,7 +314,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim, 16),
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=4 if head_dim <= 64 else 8)
+        num_warps=4 if head_dim <= 64 else 8, num_stages=2 if upcast else 3)  # fp32 tiles: keep shared memory low
     return out
 
 
