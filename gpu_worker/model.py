@@ -149,21 +149,14 @@ class LlamaForCausalLM(nn.Module):
 
 @dataclass
 class AttentionBatch:
-    """What every layer's attention needs for one step, built once per step by the model runner."""
+    """What every layer's attention needs for one step, built once per step by the model runner: groups of
+    sequences (decodes of similar context length, then prefill chunks), each a contiguous run of token rows."""
     backend: ModuleType
     slot_mapping: torch.Tensor
-    decode: object | None       # backend metadata for sequences computing one token
-    decode_rows: torch.Tensor | None
-    prefill: object | None      # backend metadata for sequences computing several tokens
-    prefill_rows: torch.Tensor | None
+    groups: list[tuple[slice, object]]   # (token rows, backend metadata)
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         self.backend.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        if self.prefill is None:
-            return self.backend.attend(q, k_cache, v_cache, self.decode, scale)
-        if self.decode is None:
-            return self.backend.attend(q, k_cache, v_cache, self.prefill, scale)
-        out = torch.empty_like(q)
-        out[self.decode_rows] = self.backend.attend(q[self.decode_rows], k_cache, v_cache, self.decode, scale)
-        out[self.prefill_rows] = self.backend.attend(q[self.prefill_rows], k_cache, v_cache, self.prefill, scale)
-        return out
+        if len(self.groups) == 1:
+            return self.backend.attend(q, k_cache, v_cache, self.groups[0][1], scale)
+        return torch.cat([self.backend.attend(q[rows], k_cache, v_cache, meta, scale) for rows, meta in self.groups])

@@ -91,8 +91,8 @@ class ModelRunner:
         return chunks
 
     def run(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list]:
-        # Decodes first, then prefill chunks: each group is a contiguous run of rows.
-        chunks.sort(key=lambda c: c.num_tokens > 1)
+        # Decodes first, shortest context first, then prefill chunks: each attention group is a run of rows.
+        chunks.sort(key=lambda c: (c.num_tokens > 1, c.end))
         input_ids, positions, slots = self.pack(chunks)
         batch = self.attention_batch(chunks, slots)
         hidden = self.model(input_ids, positions, self.pool.layers, batch)
@@ -118,11 +118,12 @@ class ModelRunner:
 
     def attention_batch(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionBatch:
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
-        num_decode_tokens = num_decode
-        decode = self.metadata(chunks[:num_decode]) if num_decode else None
-        prefill = self.metadata(chunks[num_decode:]) if num_decode < len(chunks) else None
-        return AttentionBatch(self.backend, slots, decode, slice(0, num_decode_tokens), prefill,
-                              slice(num_decode_tokens, None))
+        groups, row = [], 0
+        for group in decode_buckets(chunks[:num_decode]) + ([chunks[num_decode:]] if num_decode < len(chunks) else []):
+            num_rows = sum(c.num_tokens for c in group)
+            groups.append((slice(row, row + num_rows), self.metadata(group)))
+            row += num_rows
+        return AttentionBatch(self.backend, slots, groups)
 
     def metadata(self, chunks: list[ScheduledChunk]):
         width = max((c.end + self.pool.block_size - 1) // self.pool.block_size for c in chunks)
@@ -134,3 +135,16 @@ class ModelRunner:
         query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32)
         to = lambda t: t.to(self.device)  # noqa: E731
         return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size)
+
+
+def decode_buckets(decodes: list[ScheduledChunk], max_buckets: int = 4, min_size: int = 8) -> list[list[ScheduledChunk]]:
+    """Split decodes (sorted by context length) so that each group pads little: a group closes once the next
+    context is 1.5x its shortest."""
+    buckets: list[list[ScheduledChunk]] = []
+    for chunk in decodes:
+        if (buckets and (len(buckets) == max_buckets or len(buckets[-1]) < min_size
+                         or chunk.end <= 1.5 * buckets[-1][0].end)):
+            buckets[-1].append(chunk)
+        else:
+            buckets.append([chunk])
+    return buckets

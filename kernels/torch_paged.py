@@ -52,17 +52,25 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
     """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[meta.kv_slots].transpose(1, 2)
-    values = v_cache.view(-1, num_kv_heads, head_dim)[meta.kv_slots].transpose(1, 2)
+    keys = gather_context(k_cache, meta)
+    values = gather_context(v_cache, meta)
     if meta.max_query_len == 1:
-        q = query.unsqueeze(2)
-    else:
-        q = query[meta.query_pad_index].view(meta.num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
+        # One token per sequence: the query heads sharing a KV head act as that head's query rows, which keeps
+        # SDPA on its dense path (no GQA expansion).
+        q = query.view(meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)
+        return out.reshape(meta.num_seqs, num_heads, head_dim)
+    q = query[meta.query_pad_index].view(meta.num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
-    if meta.max_query_len == 1:
-        return out.squeeze(2)
     return out.transpose(1, 2).reshape(-1, num_heads, head_dim)[meta.query_unpad_index]
+
+
+def gather_context(cache: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+    """Every sequence's context from the pool → [num_seqs, num_kv_heads, max_context, head_dim] (a view)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    rows = cache.view(-1, num_kv_heads * head_dim).index_select(0, meta.kv_slots.view(-1))  # whole-token rows: fast
+    return rows.view(meta.num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
