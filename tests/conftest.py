@@ -1,7 +1,12 @@
 """Shared fixtures: a tiny random Llama with a real (small, locally trained) byte-level BPE tokenizer."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton has no CPU backend: its kernels run under the interpreter here, which must be chosen before triton is
+# first imported (transformers may import it early).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
