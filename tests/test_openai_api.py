@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 import httpx
@@ -83,12 +84,21 @@ class Reference:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=True)["input_ids"])
 
-    def greedy(self, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[list[float]]]:
-        """Token ids and, per generated token, the log-probabilities over the vocabulary."""
+    def greedy(self, prompt_ids: list[int], max_tokens: int, repetition_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> tuple[list[int], list[list[float]]]:
+        """Token ids and, per generated token, the log-probabilities over the vocabulary (after penalties:
+        repetition over prompt and output as in transformers, presence/frequency over the output as in OpenAI)."""
+        from transformers import RepetitionPenaltyLogitsProcessor
+
         ids, logprobs = list(prompt_ids), []
         with self.torch.no_grad():
             for _ in range(max_tokens):
                 logits = self.model(self.torch.tensor([ids])).logits[0, -1]
+                if repetition_penalty != 1.0:
+                    logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(self.torch.tensor([ids]),
+                                                                                 logits[None])[0]
+                for token, count in Counter(ids[len(prompt_ids):]).items():
+                    logits[token] -= frequency_penalty * count + presence_penalty
                 row = self.torch.log_softmax(logits.float(), dim=-1)
                 ids.append(int(row.argmax()))
                 logprobs.append(row.tolist())
@@ -163,6 +173,51 @@ def test_streamed_chat_deltas_concatenate_to_the_non_streamed_message_for_the_sa
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert streamed == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_penalties_reach_the_sampler_token_exact_against_transformers(stack, reference):
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    penalties = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.7)
+    want_ids, _ = reference.greedy(reference.encode(prompt), 24, **penalties)
+    plain_ids, _ = reference.greedy(reference.encode(prompt), 24)
+    assert want_ids != plain_ids
+    result = stack.client().completions.create(
+        model=stack.model, prompt=prompt, max_tokens=24, temperature=0,
+        presence_penalty=penalties["presence_penalty"], frequency_penalty=penalties["frequency_penalty"],
+        extra_body={"repetition_penalty": penalties["repetition_penalty"]})
+    assert result.choices[0].text == reference.decode(want_ids)
+
+
+@pytest.mark.parametrize("narrowing", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}])
+def test_top_k_min_p_and_top_p_narrow_sampling_down_to_greedy(stack, reference, narrowing):
+    prompt = "Berlin is the capital of"
+    want_ids, _ = reference.greedy(reference.encode(prompt), 16)
+    result = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=16, temperature=1.5,
+                                               seed=5, extra_body=narrowing)
+    assert result.choices[0].text == reference.decode(want_ids)
+
+
+def test_chat_without_max_tokens_may_fill_the_context(stack, reference):
+    messages = [{"role": "user", "content": "Write a long story."}]
+    max_model_len = httpx.get(stack.base_url + "/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                              ).json()["data"][0]["max_model_len"]
+    result = stack.client().chat.completions.create(model=stack.model, messages=messages, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+    assert result.usage.prompt_tokens == len(reference.chat_ids(messages))
+    assert result.usage.completion_tokens == max_model_len - result.usage.prompt_tokens
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_end_the_completion(stack, reference):
+    prompt = "Paris is the capital of France. The quick brown fox"
+    want_ids, _ = reference.greedy(reference.encode(prompt), 20)
+    stop_id = want_ids[5]
+    result = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=20, temperature=0,
+                                               extra_body={"stop_token_ids": [stop_id]})
+    cut = want_ids.index(stop_id)
+    assert result.choices[0].finish_reason == "stop"
+    assert result.usage.completion_tokens == cut + 1
+    assert result.choices[0].model_extra["stop_reason"] == str(stop_id)
 
 
 def test_stream_is_server_sent_events_ending_with_done(stack):
