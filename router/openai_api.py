@@ -18,9 +18,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 import uvicorn
@@ -92,14 +91,9 @@ def directory_models(directory: SchedulerDirectory) -> ModelsFn:
         for info in directory.schedulers():
             name = info.model or Path(info.model_path).name
             if name not in models and info.model_path:
-                models[name] = ServedModel(name, info.model, cached_tokenizer(info.model_path), info.max_model_len)
+                models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path), info.max_model_len)
         return list(models.values())
     return served
-
-
-@lru_cache(maxsize=8)
-def cached_tokenizer(model_path: str) -> RouterTokenizer:
-    return load_tokenizer(model_path)
 
 
 # --- errors ----------------------------------------------------------------------------------------------
@@ -194,7 +188,7 @@ class Choice:
         self.text += response.text
         self.logprobs.extend(response.logprobs)
         if response.finish_reason:
-            self.finish_reason = FINISH_REASONS[response.finish_reason]
+            self.finish_reason = FINISH_REASONS.get(response.finish_reason)
             self.stop_reason = response.stop_reason or None
 
 
@@ -215,7 +209,8 @@ def usage_json(usage: common_pb2.Usage | None) -> dict[str, Any] | None:
 @dataclass
 class ResponseFormat:
     """Shapes one request's responses; subclasses know their API's JSON."""
-    object_name: str
+    object_name: ClassVar[str]
+    chunk_object: ClassVar[str]
     request_id: str
     model: ServedModel
     want_logprobs: bool
@@ -245,8 +240,6 @@ class ResponseFormat:
     def opening_chunks(self, num_samples: int) -> list[dict[str, Any]]:
         return []
 
-    chunk_object = ""
-
     def final_choice(self, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -256,8 +249,8 @@ class ResponseFormat:
 
 @dataclass
 class CompletionFormat(ResponseFormat):
+    object_name = chunk_object = "text_completion"
     text_offsets: dict[int, int] = field(default_factory=dict)
-    chunk_object = "text_completion"
 
     def logprobs_json(self, entries: list[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
         if not self.want_logprobs:
@@ -287,6 +280,7 @@ class CompletionFormat(ResponseFormat):
 
 @dataclass
 class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
     def token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -386,14 +380,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Run work; cancel it (and so the upstream stream) if the client hangs up first."""
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(until_disconnected(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientGone()
+    if task not in done:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone()
     return task.result()
 
 
@@ -429,7 +424,7 @@ class OpenAIServer:
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        fmt = CompletionFormat("text_completion", request_id, model, body.logprobs is not None, body.include_usage)
+        fmt = CompletionFormat(request_id, model, body.logprobs is not None, body.include_usage)
         return await self.respond(request, body.generate_request(request_id, model.route_name), fmt, body.stream,
                                   body.num_samples)
 
@@ -441,7 +436,7 @@ class OpenAIServer:
         max_tokens = body.requested_max_tokens
         if max_tokens is None and model.max_model_len:
             max_tokens = await self.room_left(model, body)
-        fmt = ChatFormat("chat.completion", request_id, model, body.logprobs, body.include_usage)
+        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage)
         return await self.respond(request, body.generate_request(request_id, model.route_name, max_tokens), fmt,
                                   body.stream, body.num_samples)
 

@@ -5,7 +5,7 @@ value (top_p in (0, 1], n >= 1, ...) is checked once, by ferry.sampling_params i
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,9 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: UINT32 | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -54,6 +57,16 @@ class SamplingRequest(BaseModel):
     @property
     def num_samples(self) -> int:
         return self.n if self.n is not None else 1
+
+    def unsupported_common(self) -> tuple[str, str] | None:
+        """(param, reason) for what this server cannot honour, rather than silently ignoring it."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "structured output (response_format) is not supported"
+        if self.tools:
+            return "tools", "tool calling is not supported"
+        return None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(stop=stop_strings(self.stop), stop_token_ids=self.stop_token_ids,
@@ -79,7 +92,6 @@ class CompletionRequest(SamplingRequest):
     best_of: UINT32 | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, reason) for a request this server cannot honour as asked."""
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 return "prompt", "a batch of prompts is not supported: send one prompt per request"
@@ -89,7 +101,7 @@ class CompletionRequest(SamplingRequest):
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.num_samples:
             return "best_of", "best_of other than n is not supported"
-        return None
+        return self.unsupported_common()
 
     def generate_request(self, request_id: str, model: str) -> router_pb2.GenerateRequest:
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
@@ -138,7 +150,7 @@ class ChatCompletionRequest(SamplingRequest):
                 message.text()
             except ValueError as e:
                 return f"messages[{i}].content", str(e)
-        return None
+        return self.unsupported_common()
 
     @property
     def requested_max_tokens(self) -> int | None:
