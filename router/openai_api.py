@@ -486,7 +486,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP host")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0: no HTTP")
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
-                        help="require this bearer key on every call (default: $FERRY_API_KEY; empty: none)")
+                        help="bearer key every /v1 HTTP call must carry (default: $FERRY_API_KEY; empty: none)")
 
 
 class EmbeddedServer(uvicorn.Server):
