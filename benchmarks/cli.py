@@ -1,0 +1,138 @@
+"""`ferry bench offline | serve | memory`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from benchmarks import workloads
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="measure Ferry").add_subparsers(dest="bench", required=True)
+
+    offline = bench.add_parser("offline", help="offline throughput: Ferry's modes and transformers generate")
+    add_workload_args(offline)
+    offline.add_argument("--modes", default="continuous,hf",
+                         help="comma list of continuous, static, contiguous, no-prefix-cache, hf")
+    offline.add_argument("--max-num-seqs", type=int, default=128)
+    offline.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    offline.add_argument("--hf-batch-size", type=int, default=16)
+    offline.set_defaults(handler=run_offline)
+
+    memory = bench.add_parser("memory", help="paged vs contiguous KV occupancy; n=4 prompt sharing")
+    add_workload_args(memory)
+    memory.add_argument("--kv-cache-memory", type=int, default=16 * 2048 * 23040,
+                        help="bytes; the default holds 16 contiguous max_model_len sequences of SmolLM2 in bf16")
+    memory.add_argument("--max-model-len", type=int, default=2048)
+    memory.add_argument("--max-steps", type=int, default=120)
+    memory.add_argument("--plot-dir", type=Path)
+    memory.set_defaults(handler=run_memory)
+
+    serve = bench.add_parser("serve", help="online load against a running router")
+    add_workload_args(serve)
+    serve.add_argument("--target", default="127.0.0.1:50051", help="router gRPC address, or HTTP base URL")
+    serve.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
+    serve.add_argument("--request-rate", default="inf", help="req/s, comma list for a sweep; inf = all at once")
+    serve.add_argument("--num-prompts", type=int, default=64)
+    serve.add_argument("--max-concurrency", type=int, default=256)
+    serve.add_argument("--plot-dir", type=Path)
+    serve.set_defaults(handler=run_serve)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="mixed", choices=("mixed", "shared_prefix", "mixed_small", "chat"))
+    parser.add_argument("--workload-file", type=Path, help="JSON list of {prompt_token_ids, max_tokens}")
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def load_requests(args, tokenizer_dir: str | None = None) -> list[workloads.BenchRequest]:
+    if args.workload_file:
+        requests = workloads.load_workload_file(args.workload_file)
+        return requests[:args.num_requests] if args.num_requests else requests
+    tokenizer = None
+    if args.workload == "chat":
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return workloads.load(args.workload, tokenizer, args.num_requests)
+
+
+def model_dir(args) -> str:
+    from gpu_worker.model_files import resolve_model_dir
+    return str(resolve_model_dir(args.model))
+
+
+def report(args, result: dict) -> None:
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+
+
+def run_offline(args) -> int:
+    from benchmarks.offline import ferry_config, run_ferry, run_transformers
+
+    directory = model_dir(args)
+    requests = load_requests(args, directory)
+    progress = sys.stderr.isatty()
+    results = {}
+    for mode in args.modes.split(","):
+        if mode == "hf":
+            results[mode] = run_transformers(directory, args.dtype, requests, args.hf_batch_size, progress).as_dict()
+        else:
+            config = ferry_config(directory, args.dtype, mode, args.max_num_seqs, args.kv_cache_memory)
+            results[mode] = run_ferry(config, mode, requests, progress).as_dict()
+        print(f"[bench] {mode}: {results[mode]['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+    ratios = {f"{m}/hf": round(r["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"], 3)
+              for m, r in results.items() if m != "hf" and "hf" in results}
+    if "continuous" in results and "static" in results:
+        ratios["continuous/static"] = round(results["continuous"]["output_tokens_per_s"]
+                                            / results["static"]["output_tokens_per_s"], 3)
+    report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
+                  "dtype": args.dtype, "results": results, "ratios": ratios})
+    return 0
+
+
+def run_memory(args) -> int:
+    from benchmarks.memory import paged_vs_contiguous, parallel_sampling_saving
+
+    directory = model_dir(args)
+    requests = load_requests(args, directory)
+    traces = paged_vs_contiguous(directory, args.dtype, requests, args.kv_cache_memory, args.max_model_len,
+                                 args.max_steps)
+    summaries = {t.layout: t.summary() for t in traces}
+    result = {"kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len, **summaries,
+              "running_ratio_paged_vs_contiguous": round(summaries["paged"]["peak_running"]
+                                                         / max(1, summaries["contiguous"]["peak_running"]), 3),
+              "parallel_sampling": parallel_sampling_saving(directory, args.dtype)}
+    if args.plot_dir:
+        from benchmarks.plots import kv_occupancy
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        kv_occupancy(traces, args.plot_dir / "kv_occupancy.png")
+    report(args, result)
+    return 0
+
+
+def run_serve(args) -> int:
+    from benchmarks.serve import run_load
+
+    requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
+    requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
+    rates = [float(r) for r in args.request_rate.split(",")]
+    runs = []
+    for rate in rates:
+        result = asyncio.run(run_load(requests, args.target, rate, args.max_concurrency, args.backend))
+        print(f"[bench] rate {rate}: {result['output_tokens_per_s']:.1f} output tok/s, "
+              f"{result['failed']} failed", file=sys.stderr)
+        runs.append((rate, result))
+    if args.plot_dir:
+        from benchmarks.plots import throughput_vs_rate
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        throughput_vs_rate(runs, args.plot_dir / "throughput_vs_rate.png")
+    report(args, {"backend": args.backend, "runs": [{"request_rate": str(r), **res} for r, res in runs]})
+    return 0

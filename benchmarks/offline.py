@@ -1,0 +1,100 @@
+"""Offline throughput: Ferry's engine in its modes, and transformers `generate`, on the same requests."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.workloads import BenchRequest
+from ferry import Engine, EngineConfig, SamplingParams
+
+MODES = {
+    "continuous": {},
+    "static": {"batching": "static"},
+    "contiguous": {"kv_layout": "contiguous", "max_model_len": 2048},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+}
+
+
+@dataclass
+class OfflineResult:
+    mode: str
+    seconds: float
+    output_tokens: int
+    num_requests: int
+    steps: int = 0
+    forward_seconds: float = 0.0
+    python_overhead_at_batch_64: float | None = None   # share of step time outside the forward pass
+    num_preemptions: int = 0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "output_tokens_per_s": round(self.output_tokens_per_s, 2),
+                "requests_per_s": round(self.num_requests / self.seconds, 3)}
+
+
+def ferry_config(model: str, dtype: str, mode: str, max_num_seqs: int, kv_cache_memory: int) -> EngineConfig:
+    return EngineConfig(model=model, dtype=dtype, device="auto", max_num_seqs=max_num_seqs,
+                        kv_cache_memory=kv_cache_memory, **MODES[mode])
+
+
+def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], progress: bool = True) -> OfflineResult:
+    engine = Engine(config)
+    warm_up(engine)
+    for i, r in enumerate(requests):
+        engine.add_request(f"b{i}", r.prompt_token_ids,
+                           SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    total = sum(r.max_tokens for r in requests)
+    bar = tqdm(total=total, desc=f"ferry {mode}", unit="tok", disable=not progress, leave=False)
+    output_tokens = steps = 0
+    forward = big_batch_wall = big_batch_forward = 0.0
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        batch = len(engine.scheduler.running)
+        step_started = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - step_started
+        new = sum(len(o.new_token_ids) for o in outputs)
+        output_tokens += new
+        steps += 1
+        forward += engine.last_step_seconds
+        if batch >= 56 and all(len(o.new_token_ids) == 1 for o in outputs):
+            big_batch_wall += wall
+            big_batch_forward += engine.last_step_seconds
+        bar.update(new)
+    seconds = time.perf_counter() - started
+    bar.close()
+    overhead = 1 - big_batch_forward / big_batch_wall if big_batch_wall else None
+    return OfflineResult(mode, seconds, output_tokens, len(requests), steps, forward, overhead,
+                         engine.stats().num_preemptions)
+
+
+def warm_up(engine: Engine) -> None:
+    engine.generate([[11, 12, 13, 14]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+
+def run_transformers(model_dir: str, dtype: str, requests: list[BenchRequest], batch_size: int = 16,
+                     progress: bool = True) -> OfflineResult:
+    """Static, left-padded batches of batch_size: each batch runs until its longest request is done."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    started = time.perf_counter()
+    for batch in tqdm(batches, desc="transformers", disable=not progress, leave=False):
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+        longest = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad)
+    seconds = time.perf_counter() - started
+    return OfflineResult("transformers", seconds, sum(r.max_tokens for r in requests), len(requests))

@@ -1,0 +1,49 @@
+"""PNG figures for BENCHMARKS.md."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def kv_occupancy(traces, path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4), sharey=True)
+    for ax, trace in zip(axes, traces):
+        ax.plot(trace.kv_usage, label="pool blocks in use")
+        ax.plot(trace.slot_fill, label="reserved slots holding tokens")
+        ax.set_title(f"{trace.layout} KV: up to {max(trace.running, default=0)} sequences at once")
+        ax.set_xlabel("step")
+        ax.set_ylim(0, 1.05)
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def throughput_vs_rate(results: list[tuple[float, dict]], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [("inf" if r == float("inf") else f"{r:g}") for r, _ in results]
+    ax.plot(labels, [res["output_tokens_per_s"] for _, res in results], marker="o")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("output tokens/s")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def ttft_distribution(ttfts: list[float], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.hist(ttfts, bins=30)
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("requests")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,40 @@
+"""`ferry bench` runs end to end on a tiny model and reports what it promises (no timing thresholds)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_bench(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", *args, "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_offline_bench_compares_modes_and_transformers(tiny_llama_dir, tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 5 + n)), "max_tokens": m}
+                                    for n, m in [(7, 5), (20, 9), (3, 12), (11, 4)]]))
+    result = run_bench("offline", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
+                       str(workload), "--modes", "continuous,static,hf")
+    for mode in ("continuous", "static", "hf"):
+        assert result["results"][mode]["output_tokens"] == 5 + 9 + 12 + 4
+        assert result["results"][mode]["output_tokens_per_s"] > 0
+    assert set(result["ratios"]) == {"continuous/hf", "static/hf", "continuous/static"}
+
+
+def test_memory_bench_shows_paged_kv_holding_more_sequences(tiny_llama_dir, tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 45)), "max_tokens": 20}] * 12))
+    # tiny model: 2 layers x 2 KV heads x 16 dims x fp32 = 512 bytes per token; room for 4 x 256 tokens
+    result = run_bench("memory", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
+                       str(workload), "--kv-cache-memory", str(4 * 256 * 512), "--max-model-len", "256",
+                       "--plot-dir", str(tmp_path))
+    assert result["contiguous"]["peak_running"] == 4
+    assert result["paged"]["peak_running"] == 12
+    assert result["paged"]["mean_slot_fill"] > 0.8 > result["contiguous"]["mean_slot_fill"]
+    sharing = result["parallel_sampling"]
+    assert sharing["blocks_shared"] < sharing["blocks_independent"]
+    assert (tmp_path / "kv_occupancy.png").stat().st_size > 0
