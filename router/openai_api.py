@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import decoders
 
 from protos import common_pb2, router_pb2
 from router.core import RequestError
@@ -63,8 +64,10 @@ class ServedModel:
         return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> list[int]:
-        piece = self.tokenizer.tokenizer.id_to_token(token_id) or ""
-        if all(c in UNICODE_TO_BYTE for c in piece):    # byte-level BPE: the piece spells the raw bytes
+        """The token's raw bytes: exact for byte-level BPE, where a piece may be half a UTF-8 character."""
+        tokenizer = self.tokenizer.tokenizer
+        piece = tokenizer.id_to_token(token_id) or ""
+        if isinstance(tokenizer.decoder, decoders.ByteLevel) and all(c in UNICODE_TO_BYTE for c in piece):
             return [UNICODE_TO_BYTE[c] for c in piece]
         return list(self.token_text(token_id).encode())
 
