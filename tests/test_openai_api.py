@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -218,6 +219,19 @@ def test_stop_token_ids_end_the_completion(stack, reference):
     assert result.choices[0].finish_reason == "stop"
     assert result.usage.completion_tokens == cut + 1
     assert result.choices[0].model_extra["stop_reason"] == str(stop_id)
+
+
+def test_concurrent_streams_each_get_their_own_tokens(stack, reference):
+    prompts = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(8)]
+    expected = [reference.decode(reference.greedy(reference.encode(p), 12)[0]) for p in prompts]
+
+    def stream(prompt: str) -> str:
+        chunks = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=12, temperature=0,
+                                                   stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(stream, prompts)) == expected
 
 
 def test_stream_is_server_sent_events_ending_with_done(stack):
