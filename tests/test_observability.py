@@ -210,30 +210,28 @@ def value(samples: dict, name: str, **labels: str) -> float:
 def test_metrics_gauges_move_while_requests_run_and_return_to_idle(traced_stack):
     router_metrics = f"{traced_stack.http_url}/metrics"
     before_router, before_scheduler = scrape(router_metrics), scrape(traced_stack.scheduler_metrics_url)
-    num_requests, max_tokens = 4, 48
-    seen: dict[str, float] = {}
-    done = threading.Event()
+    num_requests, max_tokens = 4, 160
+    streaming = threading.Barrier(num_requests + 1)
 
-    def watch() -> None:
-        while not done.is_set():
-            scheduler, router = scrape(traced_stack.scheduler_metrics_url), scrape(router_metrics)
-            for key, sample in (("running", value(scheduler, "ferry:num_requests_running")),
-                                ("kv", value(scheduler, "ferry:kv_cache_usage_perc")),
-                                ("router_running", value(router, "ferry:num_requests_running"))):
-                seen[key] = max(seen.get(key, 0.0), sample)
-            time.sleep(0.02)
+    def stream(i: int) -> int:
+        with grpc.insecure_channel(traced_stack.router_address) as channel:
+            request = router_pb2.GenerateRequest(text=f"{i} {LONG_PROMPT}", sampling=greedy(max_tokens, ignore_eos=True))
+            num_tokens = 0
+            for message in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120):
+                if num_tokens == 0:
+                    streaming.wait()
+                num_tokens += len(message.token_ids)
+            return num_tokens
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        with futures.ThreadPoolExecutor(num_requests) as pool:
-            outputs = list(pool.map(lambda i: generate(traced_stack, f"{i} {LONG_PROMPT}", max_tokens),
-                                    range(num_requests)))
-    finally:
-        done.set()
-        watcher.join()
-    assert all(len(tokens) == max_tokens for tokens in outputs)
-    assert seen["running"] >= 1 and seen["router_running"] >= 1 and 0 < seen["kv"] <= 1
+    with futures.ThreadPoolExecutor(num_requests) as pool:
+        results = [pool.submit(stream, i) for i in range(num_requests)]
+        streaming.wait(timeout=60)           # every request has its first token and hundreds still to come
+        router_busy, scheduler_busy = scrape(router_metrics), scrape(traced_stack.scheduler_metrics_url)
+        outputs = [r.result() for r in results]
+    assert outputs == [max_tokens] * num_requests
+    assert value(router_busy, "ferry:num_requests_running") >= 1
+    assert value(scheduler_busy, "ferry:num_requests_running") + value(scheduler_busy, "ferry:num_requests_waiting") >= 1
+    assert 0 < value(scheduler_busy, "ferry:kv_cache_usage_perc") <= 1
 
     scheduler, router = scrape(traced_stack.scheduler_metrics_url), scrape(router_metrics)
     assert value(scheduler, "ferry:num_requests_running") == 0
