@@ -23,6 +23,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-schedulers", type=int, default=2)
     parser.add_argument("--host", default="127.0.0.1", help="router gRPC host")
     parser.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI-compatible HTTP port; 0: none")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.set_defaults(handler=run_up)
@@ -142,10 +143,12 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
         wait_for_health(f"127.0.0.1:{port}", stack)
     router_address = f"{args.host}:{args.port}"
     stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
-                 "--model-path", model_dir, *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
+                 "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
+                 *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
                 "router")
     wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack)
-    print(f"[ferry] ready: router gRPC {router_address} · redis {redis_url} · schedulers "
+    http = f" · OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port else ""
+    print(f"[ferry] ready: router gRPC {router_address}{http} · redis {redis_url} · schedulers "
           + ", ".join(f"127.0.0.1:{p}" for p in scheduler_ports) + f" · model {model_dir}", flush=True)
     return router_address
 

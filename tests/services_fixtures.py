@@ -82,7 +82,8 @@ def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: 
         for address in addresses:
             wait_for_health(address, stack, timeout=180)
         router_port = free_port()
-        stack.start([sys.executable, "-m", "router", "--port", str(router_port), "--redis-url", redis_url],
+        stack.start([sys.executable, "-m", "router", "--port", str(router_port), "--redis-url", redis_url,
+                     "--http-port", "0"],
                     "router", env=CHILD_ENV)
         router_address = f"127.0.0.1:{router_port}"
         wait_for_health(router_address, stack, timeout=60)

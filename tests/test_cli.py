@@ -31,7 +31,8 @@ def start_ferry_up(*flags: str) -> tuple[subprocess.Popen, str, str]:
     marker = f"FERRY_TEST_MARKER={uuid.uuid4().hex}"
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING", marker.split("=")[0]: marker}
-    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--heartbeat-ttl", "2", *flags], env=env,
+    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", str(free_port()), "--heartbeat-ttl", "2",
+                           *flags], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return up, f"127.0.0.1:{port}", marker
 

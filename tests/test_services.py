@@ -119,6 +119,24 @@ def test_cancelled_stream_frees_its_blocks_and_others_are_unaffected(services, e
     wait_until(lambda: pool_is_idle(services), "every block free again after the cancel", timeout=10)
 
 
+def test_a_second_router_serves_the_same_schedulers(services, engine):
+    import sys
+
+    from ferry.launcher import free_port, wait_for_health
+    from protos import router_pb2_grpc
+    from tests.services_fixtures import CHILD_ENV
+
+    port = free_port()
+    services.stack.start([sys.executable, "-m", "router", "--port", str(port), "--redis-url", services.redis_url,
+                          "--http-port", "0"],
+                         "second router", env=CHILD_ENV)
+    wait_for_health(f"127.0.0.1:{port}", services.stack, timeout=60)
+    expected = engine_greedy(engine, [PROMPTS[3]], 8)[0]
+    second = router_pb2_grpc.RouterStub(services.channel(f"127.0.0.1:{port}"))
+    token_ids, text, _ = collect(second.Generate(router_pb2.GenerateRequest(text=PROMPTS[3], sampling=greedy(8))))
+    assert token_ids == expected.token_ids and text == expected.text
+
+
 def test_stop_string_ends_the_stream_and_is_never_streamed(services, engine):
     full = engine_greedy(engine, [PROMPTS[7]], 32)[0].text
     stop = full[len(full) // 2:len(full) // 2 + 3]
