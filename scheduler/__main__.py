@@ -46,7 +46,8 @@ def main() -> int:
     parser.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", ""))
     parser.add_argument("--scheduler-id", default="")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0, help="seconds a registration lives")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: none")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("FERRY_METRICS_PORT", "0")),
+                        help="Prometheus /metrics port (default: $FERRY_METRICS_PORT); 0: none")
     parser.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines; 0: none")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
