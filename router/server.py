@@ -39,7 +39,7 @@ class RouterOptions:
     redis_url: str = ""
     schedulers: list[str] = field(default_factory=list)
     model_path: str = ""
-    policy: str = "least_loaded"
+    policy: str = "cache_aware"
     http_host: str = "127.0.0.1"
     http_port: int = 0                  # 0: no HTTP
     api_key: str = ""
@@ -49,22 +49,23 @@ async def serve(options: RouterOptions) -> int:
     directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path)
     await directory.start()
     tracing = setup_tracing("ferry-router")
-    router = Router(directory, POLICIES[options.policy], telemetry=RouterTelemetry(tracing=tracing))
-    server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
-    await server.start()
+    router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing))
     http = None
     if options.http_port:
         app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None)
         router.telemetry.instrument(app)
         try:
             http = await serve_http(app, options.http_host, options.http_port)
-            print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
-        except OSError as e:   # gRPC clients are still served; the operator sees why HTTP is not
-            log.error("cannot serve HTTP on %s:%d (%s): serving gRPC only", options.http_host, options.http_port, e)
+        except OSError as e:
+            await directory.close()
+            raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e
+        print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("ferry.Router", health_pb2.HealthCheckResponse.SERVING)
     print(f"router serving gRPC on {options.host}:{port}", flush=True)
