@@ -20,7 +20,7 @@ def main() -> int:
     parser.add_argument("--scheduler", action="append", default=[], metavar="HOST:PORT",
                         help="a scheduler to use when Redis is unreachable (repeatable)")
     parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
-    parser.add_argument("--policy", default="least_loaded", choices=sorted(POLICIES))
+    parser.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
     add_http_args(parser)
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()

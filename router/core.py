@@ -110,7 +110,8 @@ class Router:
         prompt_ids = prompt_token_ids(request, tokenizer)
         check_length(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
-        routing = RoutingInput(prompt_ids, hashes, dict(self.pending))
+        routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
+                               await self.directory.prefix_matches(candidates[0].model, hashes))
         ranked = self.policy(candidates, routing)
         state = StreamState(request.request_id or uuid.uuid4().hex, len(prompt_ids),
                             [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,

@@ -13,9 +13,10 @@ import grpc
 import redis.asyncio as aioredis
 
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.registry import KEY_PREFIX, SchedulerInfo, scheduler_key_pattern
+from scheduler.registry import KEY_PREFIX, SchedulerInfo, block_key, scheduler_key_pattern
 
 log = logging.getLogger(__name__)
+MAX_PREFIX_LOOKUP_BLOCKS = 512
 
 
 @dataclass
@@ -77,6 +78,30 @@ class SchedulerDirectory:
         values = await self.redis.mget(keys) if keys else []
         infos = [SchedulerInfo.from_json(v) for v in values if v is not None]
         return {info.scheduler_id: info for info in infos}
+
+    async def prefix_matches(self, model: str, block_hashes: list[int]) -> dict[str, int]:
+        """How many leading prompt blocks each live scheduler holds: one pipelined round trip to Redis.
+        Entries of schedulers that are not live are ignored; with Redis down there are no matches."""
+        if self.redis is None or not self.redis_ok or not block_hashes:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for block_hash in block_hashes[:MAX_PREFIX_LOOKUP_BLOCKS]:
+            pipe.smembers(block_key(model, block_hash, self.prefix))
+        try:
+            holders = await pipe.execute()
+        except Exception as e:   # routing falls back to affinity + load
+            log.warning("prefix lookup failed: %s", e)
+            return {}
+        matched: dict[str, int] = {}
+        alive = set(self.live)
+        for depth, members in enumerate(holders):
+            ids = {m.decode() if isinstance(m, bytes) else m for m in members} & alive
+            ids = {i for i in ids if matched.get(i, 0) == depth}   # a chain stops at its first miss
+            if not ids:
+                break
+            for scheduler_id in ids:
+                matched[scheduler_id] = depth + 1
+        return matched
 
     async def probe_static(self) -> None:
         for address in self.static_addresses:

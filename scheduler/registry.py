@@ -99,25 +99,27 @@ class Registry:
 
     async def publish_events(self) -> None:
         while True:
-            stored, removed = await self.events.get()
+            batches = [await self.events.get()]
             while not self.events.empty():
-                more_stored, more_removed = self.events.get_nowait()
-                stored, removed = stored + more_stored, removed + more_removed
+                batches.append(self.events.get_nowait())
             try:
-                await self.write_events(stored, removed)
+                await self.write_events(batches)
             except Exception as e:
-                log.warning("dropping %d KV events, redis failed: %s", len(stored) + len(removed), e)
+                log.warning("dropping %d KV event batches, redis failed: %s", len(batches), e)
 
-    async def write_events(self, stored: list[int], removed: list[int]) -> None:
+    async def write_events(self, batches: list[tuple[list[int], list[int]]]) -> None:
+        """One pipeline, batches in the order the loop produced them (a block may be evicted, then stored again)."""
         info = self.info_fn()
         pipe = self.redis.pipeline(transaction=False)
-        for h in stored:
-            pipe.sadd(block_key(info.model, h, self.prefix), info.scheduler_id)
-        for h in removed:
-            pipe.srem(block_key(info.model, h, self.prefix), info.scheduler_id)
+        for stored, removed in batches:
+            for h in removed:
+                pipe.srem(block_key(info.model, h, self.prefix), info.scheduler_id)
+            for h in stored:
+                pipe.sadd(block_key(info.model, h, self.prefix), info.scheduler_id)
         await pipe.execute()
-        self.held.update(stored)
-        self.held.difference_update(removed)
+        for stored, removed in batches:
+            self.held.difference_update(removed)
+            self.held.update(stored)
 
     async def close(self) -> None:
         """Graceful shutdown: deregister and clear this scheduler's block entries."""
