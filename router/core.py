@@ -120,7 +120,7 @@ class Router:
         upstream = scheduler_pb2.ScheduleRequest(request_id=state.request_id, prompt_token_ids=prompt_ids,
                                                  sampling=params.to_proto())
         observed.routed(state.request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
-                        ranked, getattr(routing, "matched_blocks", {}), len(hashes))
+                        ranked, routing.matched_blocks, len(hashes))
         async for response in self.proxy(ranked, upstream, state, observed):
             yield response
 

@@ -125,7 +125,8 @@ class SchedulerTelemetry:
                 "scheduler.request", context=parent, kind=SpanKind.SERVER,
                 attributes={"ferry.request_id": request_id, "ferry.num_prompt_tokens": num_prompt_tokens,
                             "ferry.n": num_samples})
-            record.traceparent = traceparent(record.span)
+            if record.span.is_recording():   # a request the sampler dropped costs its steps nothing
+                record.traceparent = traceparent(record.span)
         self.records[request_id] = record
 
     def on_step(self, step: worker_pb2.StepRequest) -> None:
@@ -135,12 +136,12 @@ class SchedulerTelemetry:
         now, served = self.clock(), {}
         for seq in step.new_seqs:
             record = self.records.get(request_id_of(seq.seq_id))
-            if record is not None:
+            if record is not None and record.traceparent:
                 self.on_new_sequence(record, seq, now)
                 served[record.traceparent] = None
         for seq in step.cached_seqs:
             record = self.records.get(request_id_of(seq.seq_id))
-            if record is not None:
+            if record is not None and record.traceparent:
                 self.on_prefill_chunk(record, seq.num_computed_tokens, seq.num_scheduled_tokens)
                 served[record.traceparent] = None
         step.traceparents.extend(served)

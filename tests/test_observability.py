@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.launcher import Stack, free_port, wait_for_health
 from protos import router_pb2, router_pb2_grpc
+from router.policy import POLICIES
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, wait_until
 
 MAX_NUM_BATCHED_TOKENS = 16       # a prompt longer than this is prefilled in several chunks
@@ -68,6 +69,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 class TracedStack:
     receiver: OtlpReceiver
     router_address: str
+    redis_url: str
     http_url: str
     scheduler_metrics_url: str
 
@@ -97,7 +99,7 @@ def traced_stack(tiny_llama_dir):
         stack.start([sys.executable, "-m", "router", "--port", str(router_port), "--redis-url", redis_url,
                      "--http-port", str(http_port)], "router", env=env)
         wait_for_health(f"127.0.0.1:{router_port}", stack, timeout=60)
-        yield TracedStack(receiver, f"127.0.0.1:{router_port}", f"http://127.0.0.1:{http_port}",
+        yield TracedStack(receiver, f"127.0.0.1:{router_port}", redis_url, f"http://127.0.0.1:{http_port}",
                           f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         stack.stop()
@@ -147,7 +149,7 @@ def test_one_trace_per_request_router_root_scheduler_child_worker_steps_linked(t
     assert router.span.parent_span_id == b""                               # the root of the trace
     assert router.span.kind == trace_pb2.Span.SPAN_KIND_SERVER
     route = router.attributes
-    assert route["ferry.route.policy"] == "least_loaded"
+    assert route["ferry.route.policy"] in POLICIES
     assert route["ferry.route.candidates"] == ["sched-0"]
     assert route["ferry.route.winner"] == "sched-0"
     assert len(route["ferry.route.prefix_blocks_matched"]) == 1
@@ -171,6 +173,29 @@ def test_one_trace_per_request_router_root_scheduler_child_worker_steps_linked(t
     assert len(steps) == request["ferry.num_prefill_chunks"] + 6 - 1
     assert all(s.service == "ferry-worker" and s.span.trace_id != router.span.trace_id for s in steps)
     assert sum(s.attributes["ferry.num_sampled"] for s in steps) == 6
+
+
+def test_router_span_records_the_prefix_blocks_each_candidate_holds(traced_stack):
+    import redis
+
+    prompt = "A prompt whose blocks the scheduler will hold: " + LONG_PROMPT
+    store = redis.Redis.from_url(traced_stack.redis_url)
+
+    def num_published_blocks() -> int:
+        return sum(1 for _ in store.scan_iter(match="*:blk:*"))
+
+    published_before = num_published_blocks()
+    generate(traced_stack, prompt, 2, request_id="cold")
+    wait_until(lambda: router_span_for(traced_stack.receiver, "cold") is not None, "the cold request's span")
+    cold = router_span_for(traced_stack.receiver, "cold").attributes
+    wait_until(lambda: num_published_blocks() >= published_before + cold["ferry.route.num_prompt_blocks"],
+               "the cold prompt's blocks published to Redis")
+    generate(traced_stack, prompt, 2, request_id="warm")
+    wait_until(lambda: router_span_for(traced_stack.receiver, "warm") is not None, "the warm request's span")
+    warm = router_span_for(traced_stack.receiver, "warm").attributes
+    assert warm["ferry.route.num_prompt_blocks"] == cold["ferry.route.num_prompt_blocks"] >= 2
+    assert warm["ferry.route.prefix_blocks_matched"] == [warm["ferry.route.num_prompt_blocks"]]
+    assert warm["ferry.route.candidates"] == ["sched-0"]
 
 
 def test_incoming_traceparent_parents_the_router_span_over_grpc_and_http(traced_stack):
@@ -284,3 +309,23 @@ def test_stats_line_reports_load_kv_usage_and_throughput():
     assert logger.line() is None                                           # the first reading only sets a baseline
     assert logger.line() == ("Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
                              "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 25.0%")
+
+
+def test_requests_the_sampler_drops_add_nothing_to_steps(monkeypatch):
+    from ferry.telemetry import setup_tracing
+    from protos import scheduler_pb2, worker_pb2
+    from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    tracing = setup_tracing("ferry-test")
+    try:
+        assert tracing.enabled
+        telemetry = SchedulerTelemetry(SchedulerMetrics(scheduler_pb2.StatsResponse, "tiny"), tracing)
+        telemetry.on_arrival("r", 4, 1)
+        step = worker_pb2.StepRequest()
+        step.new_seqs.add(seq_id="r/0", token_ids=[1, 2, 3, 4], num_prompt_tokens=4, num_scheduled_tokens=4)
+        telemetry.on_step(step)
+        assert list(step.traceparents) == []
+    finally:
+        tracing.shutdown()
