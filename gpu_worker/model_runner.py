@@ -22,6 +22,7 @@ class SequenceState:
     params: SamplingParams
     sample_index: int
     num_computed_tokens: int = 0
+    kv_present_tokens: int = 0       # positions below this are already in (shared) blocks: don't store them
 
 
 @dataclass
@@ -78,7 +79,8 @@ class ModelRunner:
         chunks = []
         for new in req.new_seqs:
             seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                                SamplingParams.from_proto(new.sampling), new.sample_index)
+                                SamplingParams.from_proto(new.sampling), new.sample_index,
+                                kv_present_tokens=new.kv_present_tokens)
             self.seqs[new.seq_id] = seq
             chunks.append(ScheduledChunk(seq, new.num_computed_tokens, new.num_scheduled_tokens))
         for cached in req.cached_seqs:
@@ -112,7 +114,9 @@ class ModelRunner:
             input_ids.extend(c.seq.token_ids[c.start:c.end])
             positions.extend(range(c.start, c.end))
             table = c.seq.block_ids
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c.start, c.end))
+            present = c.seq.kv_present_tokens
+            slots.extend(table[p // block_size] * block_size + p % block_size if p >= present else -1
+                         for p in range(c.start, c.end))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(input_ids), as_tensor(positions), as_tensor(slots)
 

@@ -123,10 +123,11 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more KV entries of a running sequence (copy-on-write included)."""
-        first = seq.num_computed_tokens // self.block_size
-        needed = max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids))
-        last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size + 1, len(seq.block_ids))
-        shared = [i for i in range(first, last) if self.blocks[seq.block_ids[i]].ref_count > 1]
+        write_from = max(seq.num_computed_tokens, seq.kv_present_tokens)
+        write_to = seq.num_computed_tokens + num_new_tokens
+        needed = max(0, self.blocks_for(write_to) - len(seq.block_ids))
+        written = range(write_from // self.block_size, min((write_to - 1) // self.block_size + 1, len(seq.block_ids)))
+        shared = [i for i in written if write_from < write_to and self.blocks[seq.block_ids[i]].ref_count > 1]
         if needed + len(shared) > self.num_free_blocks:
             return False
         for i in shared:
@@ -157,6 +158,7 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.num_blocks_sent = 0
+        seq.kv_present_tokens = 0
 
     # --- internals -----------------------------------------------------------------------------------
     def take(self, block_id: int) -> None:

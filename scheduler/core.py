@@ -206,7 +206,7 @@ class Scheduler:
                 step.new_seqs.add(seq_id=seq.seq_id, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
                                   block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
                                   num_scheduled_tokens=num_tokens, sampling=seq.params.to_proto(),
-                                  sample_index=seq.index)
+                                  sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens)
                 self.worker_seqs.add(seq.seq_id)
             seq.num_blocks_sent = len(seq.block_ids)
         return step
@@ -251,6 +251,7 @@ class Scheduler:
             child = self.new_sequence(request, index, list(request.prompt_token_ids))
             self.block_manager.fork(first, child, prompt_len)
             child.num_computed_tokens = prompt_len - 1
+            child.kv_present_tokens = prompt_len
             child.status = SequenceStatus.RUNNING
             request.seqs.append(child)
             self.running.append(child)

@@ -29,6 +29,7 @@ class Sequence:
     num_registered_blocks: int = 0                 # leading blocks already offered to the prefix cache
     num_blocks_sent: int = 0                       # leading block ids the worker already knows
     num_preemptions: int = 0
+    kv_present_tokens: int = 0                     # a forked sample: its prompt's KV is shared, never rewritten
 
     @property
     def num_tokens(self) -> int:

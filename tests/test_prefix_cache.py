@@ -67,3 +67,19 @@ def test_parallel_seeded_samples_are_the_same_with_prefix_caching_on_and_off(tin
         outputs.append([[s.token_ids for s in r.samples] for r in eng.generate(prompts, params)])
         assert eng.stats().num_free_blocks == eng.info.num_blocks
     assert outputs[0] == outputs[1]
+
+
+def test_four_parallel_samples_allocate_a_512_token_prompt_once(tiny_llama_dir):
+    eng = engine(tiny_llama_dir, enable_prefix_caching=False)
+    prompt = shared_prefix_prompts(1)[0][:512]
+    eng.add_request("n4", prompt, SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=8, ignore_eos=True))
+    peak = 0
+    samples: dict[int, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            samples.setdefault(out.index, []).extend(out.new_token_ids)
+        stats = eng.stats()
+        peak = max(peak, stats.num_blocks - stats.num_free_blocks)
+    assert peak == 512 // 16 + 4          # the prompt's 32 blocks once, then one output block per sample
+    assert sorted(samples) == [0, 1, 2, 3] and all(len(t) == 8 for t in samples.values())
+    assert eng.stats().num_free_blocks == eng.stats().num_blocks

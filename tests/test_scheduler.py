@@ -123,8 +123,9 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write_the_partial_
     first, second, third = scheduler.requests["r"].seqs
     assert first.block_ids[:2] == second.block_ids[:2] == third.block_ids[:2]
     assert scheduler.block_manager.blocks[first.block_ids[0]].ref_count == 3
-    run_step(scheduler, worker)
-    copies = [(c.src, c.dst) for c in worker.steps[1].block_copies]
+    run_step(scheduler, worker)                          # samples 1, 2 recompute the last prompt token, unstored
+    run_step(scheduler, worker)                          # everyone has written into the partial block
+    copies = [(c.src, c.dst) for step in worker.steps[1:3] for c in step.block_copies]
     assert len(copies) == 2                              # the last writer keeps the original partial block
     tails = {first.block_ids[2], second.block_ids[2], third.block_ids[2]}
     assert len(tails) == 3
