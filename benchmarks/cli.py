@@ -131,8 +131,10 @@ def run_serve(args) -> int:
               f"{result['failed']} failed", file=sys.stderr)
         runs.append((rate, result))
     if args.plot_dir:
-        from benchmarks.plots import throughput_vs_rate
+        from benchmarks.plots import throughput_vs_rate, ttft_distribution
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         throughput_vs_rate(runs, args.plot_dir / "throughput_vs_rate.png")
+        for rate, result in runs:
+            ttft_distribution(result["ttft_samples_s"], args.plot_dir / f"ttft_rate_{rate:g}.png")
     report(args, {"backend": args.backend, "runs": [{"request_rate": str(r), **res} for r, res in runs]})
     return 0

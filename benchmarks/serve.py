@@ -119,5 +119,5 @@ def summarize(timings: list[RequestTiming], duration: float, peak: int) -> dict:
         "request_throughput": len(done) / duration, "output_tokens_per_s": output_tokens / duration,
         "peak_concurrency": peak, "ttft_s": percentiles([t.ttft for t in done]),
         "tpot_s": percentiles([t.tpot for t in done if t.tpot is not None]), "itl_s": percentiles(itl),
-        "e2e_s": percentiles([t.e2e for t in done]),
+        "e2e_s": percentiles([t.e2e for t in done]), "ttft_samples_s": [round(t.ttft, 4) for t in done],
     }
