@@ -26,6 +26,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI-compatible HTTP port; 0: none")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
+                        help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY)")
     parser.set_defaults(handler=run_up)
 
 
@@ -39,6 +41,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""), help="the router's API key, if set")
     parser.set_defaults(handler=run_generate)
 
 
@@ -145,7 +148,7 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
                  *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
-                "router")
+                "router", env={**os.environ, "FERRY_API_KEY": args.api_key})
     wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack)
     http = f" · OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port else ""
     print(f"[ferry] ready: router gRPC {router_address}{http} · redis {redis_url} · schedulers "
@@ -202,7 +205,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     with grpc.insecure_channel(args.router) as channel:
         try:
-            for response in router_pb2_grpc.RouterStub(channel).Generate(generate_request(args)):
+            for response in router_pb2_grpc.RouterStub(channel).Generate(
+                    generate_request(args), metadata=[("authorization", f"Bearer {args.api_key}")] if args.api_key else None):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.HasField("usage"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -21,15 +22,24 @@ log = logging.getLogger(__name__)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, api_key: str = ""):
         self.router = router
+        self.api_key = api_key
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.api_key and not authorized(context.invocation_metadata(), self.api_key):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
+                                "(send metadata 'authorization: Bearer <key>')")
         try:
             async for response in self.router.generate(request, extract_metadata(context.invocation_metadata())):
                 yield response
         except RequestError as e:
             await context.abort(e.code, e.message)
+
+
+def authorized(metadata, api_key: str) -> bool:
+    sent = dict(metadata or ()).get("authorization", "")
+    return hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode())
 
 
 @dataclass
@@ -61,7 +71,7 @@ async def serve(options: RouterOptions) -> int:
             raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e
         print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
     server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router, options.api_key), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")

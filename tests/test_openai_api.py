@@ -25,6 +25,7 @@ class HttpStack:
     services: ServiceStack
     base_url: str
     model: str
+    grpc_address: str = ""
 
     def client(self, api_key: str = API_KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
@@ -57,7 +58,7 @@ def stack(tiny_llama_dir):
         wait_for_health(f"127.0.0.1:{grpc_port}", services.stack, timeout=60)
         base_url = f"http://127.0.0.1:{http_port}/v1"
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200, "HTTP health")
-        yield HttpStack(services, base_url, tiny_llama_dir.name)
+        yield HttpStack(services, base_url, tiny_llama_dir.name, f"127.0.0.1:{grpc_port}")
     finally:
         services.stop()
 
@@ -422,3 +423,19 @@ def test_client_that_disconnects_before_a_non_streamed_answer_aborts_its_request
         stack.post("/completions", body, timeout=httpx.Timeout(60, read=0.3))
     wait_until(stack.idle, "every block free again after the hang-up", timeout=20)
     assert stack.generated_tokens() - before < LONG
+
+
+def test_grpc_calls_need_the_api_key_too(stack):
+    import grpc
+
+    from protos import common_pb2, router_pb2, router_pb2_grpc
+
+    request = router_pb2.GenerateRequest(text="The quick brown fox",
+                                         sampling=common_pb2.SamplingParams(max_tokens=3, temperature=0.0))
+    stub = router_pb2_grpc.RouterStub(stack.services.channel(stack.grpc_address))
+    for metadata in (None, [("authorization", "Bearer wrong")]):
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request, metadata=metadata, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    answered = list(stub.Generate(request, metadata=[("authorization", f"Bearer {API_KEY}")], timeout=30))
+    assert sum(len(r.token_ids) for r in answered) == 3
