@@ -127,6 +127,13 @@ def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT
     raise RuntimeError(f"{address} did not become healthy in {timeout:.0f}s")
 
 
+def worker_threads_env(num_schedulers: int) -> dict[str, str]:
+    """Schedulers on one CPU share its cores: oversubscribed math threads slow every worker down."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return dict(os.environ)
+    return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // num_schedulers))}
+
+
 def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     from gpu_worker.model_files import resolve_model_dir
 
@@ -141,7 +148,8 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
     for i, port in enumerate(scheduler_ports):
         stack.start([py, "-m", "scheduler", *engine_flags(args, model_dir), "--port", str(port), "--redis-url",
-                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl)], f"scheduler {i} on 127.0.0.1:{port}")
+                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl)], f"scheduler {i} on 127.0.0.1:{port}",
+                    env=worker_threads_env(args.num_schedulers))
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack)
     router_address = f"{args.host}:{args.port}"
