@@ -12,7 +12,7 @@ from gpu_worker.model import LlamaForCausalLM, ModelShape, rope_cos_sin
 from gpu_worker.model_files import resolve_model_dir
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights import load_weights
-from kernels import select_backend
+from kernels import cpu_decode, select_backend
 from protos import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class Worker:
         block_size = req.block_size or 16
         pool = KVPool(shape, block_size, kv_budget(req.kv_cache_memory, device), dtype, device)
         backend = select_backend(req.attention_backend or "auto", device.type)
+        if device.type == "cpu":
+            cpu_decode.extension()   # built (or found in the cache) now, not in the first step
         self.runner = ModelRunner(model, pool, backend, device, seed=req.seed)
         log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, device, dtype,
                  pool.num_blocks, block_size)

@@ -1,4 +1,5 @@
-"""Paged attention in vectorised torch: the CPU path. One gather of the context per layer, one SDPA call.
+"""Paged attention in vectorised torch: the CPU path. One gather of the context per layer, one SDPA call;
+decodes go to the C++ kernel (kernels/cpu_decode.py), which reads the pool in place, when it could be built.
 
 The per-step work (gather indices and masks from block tables) is done once by prepare(); every layer then
 calls attend() with that metadata.
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode
+
 
 @dataclass
 class PagedMetadata:
@@ -19,6 +22,8 @@ class PagedMetadata:
     mask: torch.Tensor | None         # [num_seqs, 1, max_query_len, max_context], True = attend; None = no padding
     query_pad_index: torch.Tensor | None   # [num_seqs * max_query_len] packed query row per padded position
     query_unpad_index: torch.Tensor | None  # [num_tokens] padded position of each packed query row
+    block_tables: torch.Tensor | None = None  # for the C++ decode kernel
+    context_lens: torch.Tensor | None = None
 
 
 def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
@@ -26,8 +31,10 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
     """block_tables [S, max_blocks]; context_lens [S] (new tokens included); query_lens [S] new tokens each."""
     device = block_tables.device
     num_seqs = block_tables.shape[0]
-    max_context = int(context_lens.max())
     max_query_len = int(query_lens.max())
+    if max_query_len == 1 and device.type == "cpu" and cpu_decode.extension() is not None:
+        return PagedMetadata(num_seqs, 1, None, None, None, None, block_tables, context_lens)
+    max_context = int(context_lens.max())
     positions = torch.arange(max_context, device=device)
     blocks = block_tables.long().gather(1, (positions // block_size).expand(num_seqs, -1))
     kv_slots = blocks * block_size + positions % block_size
@@ -50,6 +57,8 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
            scale: float) -> torch.Tensor:
     """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]."""
+    if meta.block_tables is not None:
+        return cpu_decode.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     keys = gather_context(k_cache, meta)

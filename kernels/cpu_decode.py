@@ -1,0 +1,38 @@
+"""Paged decode attention in C++ for the CPU, compiled on first use (torch's extension builder, cached).
+
+Reads K and V in place from the block pool: no per-layer gather of the whole context. When no compiler is
+available the torch path is used instead.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+
+
+@cache
+def extension():
+    """The compiled module, or None (FERRY_CPU_KERNELS=0 turns it off)."""
+    if os.environ.get("FERRY_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        return load(name="ferry_paged_decode_cpu", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+    except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
+        log.warning("C++ paged decode unavailable, using the torch path: %s", error)
+        return None
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    module = extension()
+    if module is None:
+        return None
+    return module.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
