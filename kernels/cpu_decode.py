@@ -24,7 +24,8 @@ def extension():
     try:
         from torch.utils.cpp_extension import load
         return load(name="ferry_paged_decode_cpu", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ paged decode unavailable, using the torch path: %s", error)
         return None
