@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def extension():
     """The compiled module, or None (FERRY_CPU_KERNELS=0 turns it off)."""
     if os.environ.get("FERRY_CPU_KERNELS", "1") == "0":
         return None
+    # the build runs ninja, which pip installs beside this interpreter when the system has none
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
         from torch.utils.cpp_extension import load
         return load(name="ferry_paged_decode_cpu", sources=[str(SOURCE)],
