@@ -125,7 +125,10 @@ class ModelRunner:
     def attention_batch(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionBatch:
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         groups, row = [], 0
-        for group in decode_buckets(chunks[:num_decode]) + ([chunks[num_decode:]] if num_decode < len(chunks) else []):
+        decodes = chunks[:num_decode]
+        # Padding matters only to a backend that pads every decode to the longest context.
+        buckets = decode_buckets(decodes) if getattr(self.backend, "pads_decodes", lambda: False)() else [decodes]
+        for group in [b for b in buckets if b] + ([chunks[num_decode:]] if num_decode < len(chunks) else []):
             num_rows = sum(c.num_tokens for c in group)
             groups.append((slice(row, row + num_rows), self.metadata(group)))
             row += num_rows

@@ -54,6 +54,11 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
     return PagedMetadata(num_seqs, max_query_len, kv_slots, mask, pad_index, unpad_index)
 
 
+def pads_decodes() -> bool:
+    """True when decodes take the gather + SDPA path, which pads every sequence to the longest context."""
+    return cpu_decode.extension() is None
+
+
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
            scale: float) -> torch.Tensor:
     """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]."""
