@@ -212,7 +212,9 @@ def test_incoming_traceparent_parents_the_router_span_over_grpc_and_http(traced_
     for trace_id, parent_id in (grpc_parent, http_parent):
         def exported() -> bool:
             spans = [s for s in receiver.named("router.generate") if s.span.trace_id.hex() == trace_id]
-            return len(spans) == 1 and len(trace_of(receiver, spans[0])[1]) >= 3
+            scheduler_exported = any(s.span.trace_id.hex() == trace_id for s in receiver.named("scheduler.request"))
+            # each service exports on its own schedule: wait for the scheduler's span before reading the trace
+            return len(spans) == 1 and scheduler_exported and len(trace_of(receiver, spans[0])[1]) >= 3
 
         wait_until(exported, f"spans of trace {trace_id}", timeout=20)
         router = next(s for s in receiver.named("router.generate") if s.span.trace_id.hex() == trace_id)
