@@ -26,9 +26,18 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI-compatible HTTP port; 0: none")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    parser.add_argument("--policy", default="cache_aware", choices=routing_policies(), help="router's routing policy")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="scheduler i serves Prometheus /metrics on this port + i; 0: none")
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
                         help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY)")
     parser.set_defaults(handler=run_up)
+
+
+def routing_policies() -> list[str]:
+    from router.policy import POLICIES
+
+    return sorted(POLICIES)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,6 +117,10 @@ def engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
     return flags + (["--no-prefix-caching"] if args.no_prefix_caching else [])
 
 
+def scheduler_metrics_flags(args: argparse.Namespace, index: int) -> list[str]:
+    return ["--metrics-port", str(args.metrics_port + index)] if args.metrics_port else []
+
+
 def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT_S) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -148,13 +161,15 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
     for i, port in enumerate(scheduler_ports):
         stack.start([py, "-m", "scheduler", *engine_flags(args, model_dir), "--port", str(port), "--redis-url",
-                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl)], f"scheduler {i} on 127.0.0.1:{port}",
+                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), *scheduler_metrics_flags(args, i)],
+                    f"scheduler {i} on 127.0.0.1:{port}",
                     env=worker_threads_env(args.num_schedulers))
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack)
     router_address = f"{args.host}:{args.port}"
     stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
+                 "--policy", args.policy,
                  *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
                 "router", env={**os.environ, "FERRY_API_KEY": args.api_key})
     wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack)

@@ -8,6 +8,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ferry.launcher import free_port
@@ -58,15 +59,25 @@ def stop_and_check_nothing_left(up: subprocess.Popen, marker: str) -> None:
     wait_until(lambda: not processes_with_marker(marker), "every process ferry up started has exited", timeout=10)
 
 
+def scheduler_generation_tokens(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("ferry:generation_tokens_total"))
+
+
 def test_ferry_up_answers_generate_and_leaves_nothing_after_sigterm(tiny_llama_dir):
+    metrics_port = free_port()
     up, router, marker = start_ferry_up("--model", str(tiny_llama_dir), "--dtype", "float32",
-                                        "--kv-cache-memory", "4000000")
+                                        "--kv-cache-memory", "4000000", "--policy", "round_robin",
+                                        "--metrics-port", str(metrics_port))
     try:
         banner = wait_until_ready(up)
         assert router in banner and "redis://" in banner
         result = ferry_generate(router, "Paris is the capital of", "--max-tokens", "8")
         assert result.returncode == 0, result.stderr
         assert "8 completion tokens" in result.stderr
+        # each scheduler serves its own /metrics on metrics_port + i; one of them generated the 8 tokens
+        assert sum(scheduler_generation_tokens(metrics_port + i) for i in range(2)) == 8
         bad = ferry_generate(router, "", "--max-tokens", "8")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
         stop_and_check_nothing_left(up, marker)
