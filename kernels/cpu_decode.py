@@ -35,8 +35,10 @@ def extension():
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                 context_lens: torch.Tensor, scale: float, portable: bool = False) -> torch.Tensor | None:
+    """query [S, H, D] → [S, H, D] in the query's dtype. block_tables int32 and context_lens int32/int64 are used
+    as they are (no conversion); portable=True forces the scalar path (tests, on machines with AVX-512)."""
     module = extension()
     if module is None:
         return None
-    return module.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return module.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, portable)

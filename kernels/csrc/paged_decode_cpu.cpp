@@ -1,97 +1,476 @@
 // Paged decode attention on the CPU, reading K and V in place from the block pool (no gather copy).
-// One work item per (sequence, KV head) handles the G query heads sharing that KV head: scores for the whole
-// context, a softmax per head, then the weighted sum of values. Accumulation is in fp32.
+//
+// One pass over the context, flash-decoding style: the context of a sequence is cut into partitions of at most
+// kPartitionTokens tokens, and one work item is one (sequence, partition), all of its KV heads. An item walks its
+// blocks in order; for each block and KV head it scores the block's tokens for the G query heads sharing that KV
+// head, updates a running (max, sum, weighted values) softmax state, and reads the block's values while the
+// block is hot in the cache, prefetching the next block meanwhile. Sequences cut into several partitions are
+// merged at the end (log-sum-exp). Items are handed out dynamically to the threads, longest first.
+//
+// With AVX-512 (F, BW, VL) a block's scores are 16 token-wise vector FMA chains over head_dim, summed across
+// lanes by one transposing reduction for the 16 tokens at once; values are accumulated with broadcast FMAs.
+// Everything accumulates in fp32 from fp32 queries (bf16/fp16 K and V are widened on load). Without AVX-512 a
+// portable scalar version of the same algorithm is used. Softmax is computed in base 2, with the query
+// pre-multiplied by scale * log2(e).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
-#include <limits>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
-template <typename scalar_t>
-static inline void load_float(const scalar_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FERRY_AVX512 1
+#include <immintrin.h>
+#else
+#define FERRY_AVX512 0
+#endif
 
-template <>
-inline void load_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  // bf16 is the top half of an fp32: a shift, which the compiler vectorises.
-  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* bits = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) bits[i] = static_cast<uint32_t>(raw[i]) << 16;
-}
+namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kPartitionTokens = 512;
+constexpr int64_t kGroupTokens = 16;     // tokens scored together (one AVX-512 vector of scores)
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegBig = -1e30f;        // "minus infinity" that stays finite under -ffast-math
 
-template <typename scalar_t>
-static void decode_one(const float* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
-                       int64_t context_len, int64_t block_size, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t kv_head, int64_t group, float scale, float* out, std::vector<float>& scores) {
-  scores.resize(group * context_len);
-  alignas(64) float row[kMaxHeadDim];
-  const int64_t token_stride = num_kv_heads * head_dim;
-  for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    load_float<scalar_t>(k_cache + slot * token_stride + kv_head * head_dim, row, head_dim);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * head_dim;
+struct Layout {
+  int64_t num_heads, num_kv_heads, head_dim, padded_dim, group, block_size;
+  int64_t k_block, k_token, k_head;      // strides of the K pool, in elements
+  int64_t v_block, v_token, v_head;
+  int64_t kv_element;                    // bytes per K/V element
+  float qk_scale;                        // softmax scale * log2(e)
+};
+
+struct Item {
+  int32_t seq, first_block, end_block, partial;   // partial: slot in the partial buffers, -1 = write the output
+};
+
+// Running softmax state of one work item: per query head a max, a sum and the unnormalised output.
+struct State {
+  float* m;
+  float* l;
+  float* acc;   // [num_heads, padded_dim]
+  float* q;     // [num_heads, padded_dim], scaled, zero padded
+};
+
+inline float to_float(const void* base, at::ScalarType type, int64_t i) {
+  switch (type) {
+    case at::kFloat: return static_cast<const float*>(base)[i];
+    case at::kBFloat16: return static_cast<float>(static_cast<const at::BFloat16*>(base)[i]);
+    case at::kHalf: return static_cast<float>(static_cast<const at::Half*>(base)[i]);
+    case at::kDouble: return static_cast<float>(static_cast<const double*>(base)[i]);
+    default: TORCH_CHECK(false, "unsupported query dtype");
+  }
+}
+
+inline void from_float(void* base, at::ScalarType type, int64_t i, float x) {
+  switch (type) {
+    case at::kFloat: static_cast<float*>(base)[i] = x; break;
+    case at::kBFloat16: static_cast<at::BFloat16*>(base)[i] = static_cast<at::BFloat16>(x); break;
+    case at::kHalf: static_cast<at::Half*>(base)[i] = static_cast<at::Half>(x); break;
+    case at::kDouble: static_cast<double*>(base)[i] = x; break;
+    default: TORCH_CHECK(false, "unsupported query dtype");
+  }
+}
+
+template <typename T>
+inline float widen(T x) { return static_cast<float>(x); }
+template <>
+inline float widen<at::BFloat16>(at::BFloat16 x) {   // bf16 is the top half of an fp32
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void prefetch_rows(const char* base, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(base + r * row_stride + offset);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable path: the same one-pass algorithm with scalar loops (left to the compiler to vectorise).
+template <typename T>
+void group_portable(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                    int64_t first_head, int64_t heads, State& st) {
+  const int64_t dim = lay.head_dim;
+  float scores[kGroupTokens];
+  for (int64_t g = 0; g < heads; ++g) {
+    const int64_t head = first_head + g;
+    const float* q = st.q + head * lay.padded_dim;
+    float peak = kNegBig;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = k + t * k_token;
       float dot = 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-      scores[g * context_len + t] = dot * scale;
+      for (int64_t d = 0; d < dim; ++d) dot += q[d] * widen<T>(row[d]);
+      scores[t] = dot;
+      peak = std::max(peak, dot);
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * context_len;
-    const float peak = *std::max_element(s, s + context_len);
+    const float m_new = std::max(st.m[head], peak);
+    const float correction = std::exp2(st.m[head] - m_new);
     float total = 0.f;
-    for (int64_t t = 0; t < context_len; ++t) total += (s[t] = std::exp(s[t] - peak));
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < context_len; ++t) s[t] *= inv;
-  }
-  std::fill(out, out + group * head_dim, 0.f);
-  for (int64_t t = 0; t < context_len; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    load_float<scalar_t>(v_cache + slot * token_stride + kv_head * head_dim, row, head_dim);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * context_len + t];
-      float* o = out + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * row[d];
+    for (int64_t t = 0; t < n; ++t) total += (scores[t] = std::exp2(scores[t] - m_new));
+    st.m[head] = m_new;
+    st.l[head] = st.l[head] * correction + total;
+    float* acc = st.acc + head * lay.padded_dim;
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= correction;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = v + t * v_token;
+      const float p = scores[t];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += p * widen<T>(row[d]);
     }
   }
 }
 
+#if FERRY_AVX512
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 path.
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 mask);
+template <>
+inline __m512 load16<float>(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+template <>
+inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+template <>
+inline __m512 load16<at::Half>(const at::Half* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// 2^x for x <= 0 (x below -126 gives about 0): 2^round(x) * polynomial(fraction).
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);   // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);   // Taylor series of e^(f ln 2), error < 1e-8
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// rows[r] holds the 16 lane-wise partial sums of row r; returns the vector of the 16 row totals, in the order
+// given by kTransposeRow: row 4 * (t % 4) + t / 4 lands in lane t.
+inline __m512 sum_rows16(const float* rows) {
+  __m512 r[8];
+  for (int j = 0; j < 8; ++j) {
+    const __m512 x = _mm512_load_ps(rows + (2 * j) * 16), y = _mm512_load_ps(rows + (2 * j + 1) * 16);
+    r[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  __m512 u[4];
+  for (int j = 0; j < 4; ++j)
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * j], r[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * j], r[2 * j + 1], 0xDD));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_ps(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+constexpr int kTransposeRow[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 16 when fixed at compile time, else 0.
+template <typename T, int TG, int CHUNKS>
+void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                  int64_t first_head, State& st) {
+  const int64_t chunks = CHUNKS ? CHUNKS : lay.padded_dim / 16;
+  const int64_t tail = lay.head_dim - (chunks - 1) * 16;
+  const __mmask16 last_mask = static_cast<__mmask16>((1u << tail) - 1u);
+  const float* q = st.q + first_head * lay.padded_dim;
+  const int64_t pd = lay.padded_dim;
+  alignas(64) float partial[TG][16 * 16];
+  alignas(64) float probs[TG][16];
+  float correction[TG];
+
+  // scores: per token, a lane-wise partial dot product per query head
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = k + t * k_token;
+    __m512 dot[TG];
+    for (int g = 0; g < TG; ++g) dot[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 kv = load16<T>(row + c * 16, c == chunks - 1 ? last_mask : __mmask16(0xFFFF));
+      for (int g = 0; g < TG; ++g) dot[g] = _mm512_fmadd_ps(_mm512_load_ps(q + g * pd + c * 16), kv, dot[g]);
+    }
+    for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, dot[g]);
+  }
+  for (int64_t t = n; t < 16; ++t)
+    for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, _mm512_setzero_ps());
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  for (int g = 0; g < TG; ++g) {
+    const int64_t head = first_head + g;
+    const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegBig), sum_rows16(partial[g]));
+    const float m_new = std::max(st.m[head], _mm512_reduce_max_ps(s));
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+    correction[g] = std::exp2(st.m[head] - m_new);
+    st.m[head] = m_new;
+    st.l[head] = st.l[head] * correction[g] + _mm512_reduce_add_ps(p);
+    _mm512_store_ps(probs[g], p);
+  }
+  // values: acc = acc * correction + sum_t p_t v_t, one 16-wide chunk of head_dim at a time
+  float* acc = st.acc + first_head * pd;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask16 mask = c == chunks - 1 ? last_mask : __mmask16(0xFFFF);
+    __m512 o[TG];
+    for (int g = 0; g < TG; ++g)
+      o[g] = _mm512_mul_ps(_mm512_load_ps(acc + g * pd + c * 16), _mm512_set1_ps(correction[g]));
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 vv = load16<T>(v + t * v_token + c * 16, mask);
+      for (int g = 0; g < TG; ++g) o[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][t]), vv, o[g]);
+    }
+    for (int g = 0; g < TG; ++g) _mm512_store_ps(acc + g * pd + c * 16, o[g]);
+  }
+}
+
+template <typename T, int CHUNKS>
+void heads_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                  int64_t first_head, State& st) {
+  for (int64_t g = 0; g < lay.group; g += 4) {
+    switch (std::min<int64_t>(4, lay.group - g)) {
+      case 1: group_avx512<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 2: group_avx512<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 3: group_avx512<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      default: group_avx512<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+    }
+  }
+}
+#endif  // FERRY_AVX512
+
+template <typename T>
+using HeadsFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, const Layout&, int64_t, State&);
+
+template <typename T>
+void heads_portable(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                    int64_t first_head, State& st) {
+  group_portable<T>(k, v, k_token, v_token, n, lay, first_head, lay.group, st);
+}
+
+template <typename T>
+HeadsFn<T> pick_heads(const Layout& lay, bool portable) {
+#if FERRY_AVX512
+  if (!portable) {
+    if (lay.head_dim == 64) return heads_avx512<T, 4>;
+    if (lay.head_dim == 128) return heads_avx512<T, 8>;
+    return heads_avx512<T, 0>;
+  }
+#endif
+  (void)lay;
+  (void)portable;
+  return heads_portable<T>;
+}
+#if FERRY_AVX512
+template <>
+HeadsFn<double> pick_heads<double>(const Layout&, bool) { return heads_portable<double>; }
+#endif
+
+// One work item: blocks [first_block, end_block) of one sequence, every head.
+template <typename T>
+void run_item(const Item& item, HeadsFn<T> heads, const T* k_pool, const T* v_pool, const int32_t* table,
+              int64_t context_len, const Layout& lay, State& st) {
+  const int64_t bs = lay.block_size;
+  const int64_t row_bytes = lay.num_kv_heads * lay.head_dim * lay.kv_element;
+  for (int64_t b = item.first_block; b < item.end_block; ++b) {
+    if (b + 1 < item.end_block) {
+      const int64_t next = table[b + 1];
+      const int64_t rows = std::min(bs, context_len - (b + 1) * bs);
+      prefetch_rows(reinterpret_cast<const char*>(k_pool + next * lay.k_block), rows, lay.k_token * lay.kv_element,
+                    row_bytes);
+      prefetch_rows(reinterpret_cast<const char*>(v_pool + next * lay.v_block), rows, lay.v_token * lay.kv_element,
+                    row_bytes);
+    }
+    const int64_t block = table[b];
+    const int64_t in_block = std::min(bs, context_len - b * bs);
+    for (int64_t t0 = 0; t0 < in_block; t0 += kGroupTokens) {
+      const int64_t n = std::min(kGroupTokens, in_block - t0);
+      for (int64_t h = 0; h < lay.num_kv_heads; ++h) {
+        const T* k = k_pool + block * lay.k_block + t0 * lay.k_token + h * lay.k_head;
+        const T* v = v_pool + block * lay.v_block + t0 * lay.v_token + h * lay.v_head;
+        heads(k, v, lay.k_token, lay.v_token, n, lay, h * lay.group, st);
+      }
+    }
+  }
+}
+
+// Per-thread scratch, reused across calls.
+struct Scratch {
+  std::vector<float> buffer;
+  State state(const Layout& lay) {
+    const size_t per_head = static_cast<size_t>(lay.padded_dim);
+    const size_t need = static_cast<size_t>(lay.num_heads) * (2 * per_head + 2) + 16;
+    if (buffer.size() < need) buffer.assign(need, 0.f);
+    float* base = buffer.data();
+    base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;   // 64-byte aligned
+    State st;
+    st.q = base;
+    st.acc = st.q + lay.num_heads * per_head;
+    st.m = st.acc + lay.num_heads * per_head;
+    st.l = st.m + lay.num_heads;
+    return st;
+  }
+};
+
+}  // namespace
+
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV pool must be contiguous");
-  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
-  const auto q = query.to(torch::kFloat32).contiguous();
-  const auto tables = block_tables.to(torch::kInt32).contiguous();
-  const auto lens = context_lens.to(torch::kInt64).contiguous();
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, table_width = tables.size(1);
-  auto out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
-  const float* q_ptr = q.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const int32_t* table_ptr = tables.data_ptr<int32_t>();
-  const int64_t* len_ptr = lens.data_ptr<int64_t>();
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool portable) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "query [S, H, D], pools [N, B, KV, D]");
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V pools must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V pools must have the same shape");
+  if (k_cache.stride(3) != 1) k_cache = k_cache.contiguous();
+  if (v_cache.stride(3) != 1) v_cache = v_cache.contiguous();
+  if (!query.is_contiguous()) query = query.contiguous();
+  if (block_tables.scalar_type() != torch::kInt32) block_tables = block_tables.to(torch::kInt32);
+  if (!block_tables.is_contiguous()) block_tables = block_tables.contiguous();
+  if (context_lens.scalar_type() != torch::kInt64 && context_lens.scalar_type() != torch::kInt32)
+    context_lens = context_lens.to(torch::kInt64);
+  context_lens = context_lens.contiguous();
+
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(head_dim == k_cache.size(3), "query and pool head_dim differ");
+  TORCH_CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.size(0) >= num_seqs && context_lens.numel() >= num_seqs, "one table and length a sequence");
+
+  Layout lay;
+  lay.num_heads = num_heads;
+  lay.num_kv_heads = num_kv_heads;
+  lay.head_dim = head_dim;
+  lay.padded_dim = (head_dim + 15) / 16 * 16;
+  lay.group = num_heads / num_kv_heads;
+  lay.block_size = k_cache.size(1);
+  lay.k_block = k_cache.stride(0), lay.k_token = k_cache.stride(1), lay.k_head = k_cache.stride(2);
+  lay.v_block = v_cache.stride(0), lay.v_token = v_cache.stride(1), lay.v_head = v_cache.stride(2);
+  lay.kv_element = k_cache.element_size();
+  lay.qk_scale = static_cast<float>(scale) * kLog2e;
+
+  const int64_t table_width = block_tables.size(1);
+  std::vector<int64_t> lens(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    lens[s] = context_lens.scalar_type() == torch::kInt64 ? context_lens.data_ptr<int64_t>()[s]
+                                                          : context_lens.data_ptr<int32_t>()[s];
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= table_width * lay.block_size, "context longer than its block table");
+  }
+
+  // work items: partitions of at most kPartitionTokens tokens (whole blocks)
+  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / lay.block_size);
+  std::vector<Item> items;
+  std::vector<int64_t> first_partial(num_seqs, -1), num_parts(num_seqs, 0);
+  int64_t num_partials = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t blocks = (lens[s] + lay.block_size - 1) / lay.block_size;
+    const int64_t parts = std::max<int64_t>(1, (blocks + part_blocks - 1) / part_blocks);
+    num_parts[s] = parts;
+    if (parts > 1) first_partial[s] = num_partials;
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = p * part_blocks, end = std::min(blocks, begin + part_blocks);
+      items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(begin), static_cast<int32_t>(end),
+                       static_cast<int32_t>(parts > 1 ? num_partials + p : -1)});
+    }
+    if (parts > 1) num_partials += parts;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return a.end_block - a.first_block > b.end_block - b.first_block;
+  });
+
+  auto out = torch::empty({num_seqs, num_heads, head_dim}, query.options());
+  // partial results: [num_partials, num_heads, head_dim] unnormalised outputs, then max and sum per head
+  std::vector<float> partials(static_cast<size_t>(num_partials * num_heads * (head_dim + 2)));
+  float* partial_acc = partials.data();
+  float* partial_ml = partials.data() + num_partials * num_heads * head_dim;
+
+  const at::ScalarType q_type = query.scalar_type();
+  const void* q_ptr = query.data_ptr();
+  void* out_ptr = out.data_ptr();
+  const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
-    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t s = item / num_kv_heads, h = item % num_kv_heads;
-        const int64_t offset = (s * num_heads + h * group) * head_dim;
-        decode_one<scalar_t>(q_ptr + offset, k_ptr, v_ptr, table_ptr + s * table_width, len_ptr[s], block_size,
-                             num_kv_heads, head_dim, h, group, static_cast<float>(scale), out_ptr + offset, scores);
+    const scalar_t* k_pool = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_pool = v_cache.data_ptr<scalar_t>();
+    const HeadsFn<scalar_t> heads = pick_heads<scalar_t>(lay, portable);
+    std::atomic<int64_t> next{0};
+    const int64_t num_items = static_cast<int64_t>(items.size());
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      thread_local Scratch scratch;
+      State st = scratch.state(lay);
+      for (int64_t w = begin; w < end; ++w) {
+        for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+          const Item& item = items[i];
+          const int64_t s = item.seq;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            float* q = st.q + h * lay.padded_dim;
+            const int64_t q_offset = (s * num_heads + h) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) q[d] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
+            std::fill(q + head_dim, q + lay.padded_dim, 0.f);
+            std::fill(st.acc + h * lay.padded_dim, st.acc + (h + 1) * lay.padded_dim, 0.f);
+            st.m[h] = kNegBig;
+            st.l[h] = 0.f;
+          }
+          run_item<scalar_t>(item, heads, k_pool, v_pool, table_ptr + s * table_stride, lens[s], lay, st);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* acc = st.acc + h * lay.padded_dim;
+            if (item.partial < 0) {
+              const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
+              const int64_t o_offset = (s * num_heads + h) * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, acc[d] * inv);
+            } else {
+              std::copy(acc, acc + head_dim, partial_acc + (item.partial * num_heads + h) * head_dim);
+              partial_ml[2 * (item.partial * num_heads + h)] = st.m[h];
+              partial_ml[2 * (item.partial * num_heads + h) + 1] = st.l[h];
+            }
+          }
+        }
       }
     });
   });
-  return out.to(query.scalar_type());
+
+  // merge the partitions of long sequences
+  if (num_partials > 0) {
+    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> merged(head_dim);
+      for (int64_t s = begin; s < end; ++s) {
+        if (num_parts[s] < 2) continue;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float peak = kNegBig;
+          for (int64_t p = 0; p < num_parts[s]; ++p)
+            peak = std::max(peak, partial_ml[2 * ((first_partial[s] + p) * num_heads + h)]);
+          std::fill(merged.begin(), merged.end(), 0.f);
+          float total = 0.f;
+          for (int64_t p = 0; p < num_parts[s]; ++p) {
+            const int64_t slot = (first_partial[s] + p) * num_heads + h;
+            const float weight = std::exp2(partial_ml[2 * slot] - peak);
+            total += weight * partial_ml[2 * slot + 1];
+            const float* acc = partial_acc + slot * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
+          }
+          const float inv = total > 0.f ? 1.f / total : 0.f;
+          const int64_t o_offset = (s * num_heads + h) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, merged[d] * inv);
+        }
+      }
+    });
+  }
+  return out;
 }
 
+bool has_avx512() { return FERRY_AVX512; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over the KV block pool (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention over the KV block pool (CPU)", py::arg("query"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("portable") = false);
+  m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
 }
