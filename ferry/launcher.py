@@ -29,6 +29,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--policy", default="cache_aware", choices=routing_policies(), help="router's routing policy")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="scheduler i serves Prometheus /metrics on this port + i; 0: none")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish")
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
                         help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY)")
     parser.set_defaults(handler=run_up)
@@ -67,8 +69,10 @@ class Stack:
         return process
 
     def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM each process (a scheduler drains, then stops its own worker), SIGKILL what is left after timeout."""
         for process in reversed(self.processes):
-            signal_group(process, signal.SIGTERM)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for process in self.processes:
             try:
@@ -161,7 +165,8 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
     for i, port in enumerate(scheduler_ports):
         stack.start([py, "-m", "scheduler", *engine_flags(args, model_dir), "--port", str(port), "--redis-url",
-                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), *scheduler_metrics_flags(args, i)],
+                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), "--drain-timeout", str(args.drain_timeout),
+                     *scheduler_metrics_flags(args, i)],
                     f"scheduler {i} on 127.0.0.1:{port}",
                     env=worker_threads_env(args.num_schedulers))
     for port in scheduler_ports:
@@ -169,7 +174,7 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     router_address = f"{args.host}:{args.port}"
     stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
-                 "--policy", args.policy,
+                 "--policy", args.policy, "--drain-timeout", str(args.drain_timeout),
                  *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
                 "router", env={**os.environ, "FERRY_API_KEY": args.api_key})
     wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack)
@@ -201,7 +206,7 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stack.stop()
+        stack.stop(timeout=args.drain_timeout + 10)
 
 
 # --- ferry generate ----------------------------------------------------------------------------------------

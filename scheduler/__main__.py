@@ -8,6 +8,7 @@ import os
 import sys
 
 from ferry.config import EngineConfig
+from scheduler.admission import AdmissionLimits
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +50,12 @@ def main() -> int:
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("FERRY_METRICS_PORT", "0")),
                         help="Prometheus /metrics port (default: $FERRY_METRICS_PORT); 0: none")
     parser.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines; 0: none")
+    parser.add_argument("--max-queued-requests", type=int, default=AdmissionLimits.max_queued_requests,
+                        help="requests waiting beyond the running batch's free seats; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-queued-tokens", type=int, default=AdmissionLimits.max_queued_tokens,
+                        help="prompt tokens waiting; more get RESOURCE_EXHAUSTED")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to finish in-flight requests before failing them")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
@@ -57,7 +64,8 @@ def main() -> int:
     options = ServeOptions(host=args.host, port=args.port, advertise_host=args.advertise_host,
                            redis_url=args.redis_url, scheduler_id=args.scheduler_id,
                            heartbeat_ttl=args.heartbeat_ttl, metrics_port=args.metrics_port,
-                           log_stats_interval=args.log_stats_interval)
+                           log_stats_interval=args.log_stats_interval, drain_timeout=args.drain_timeout,
+                           limits=AdmissionLimits(args.max_queued_requests, args.max_queued_tokens))
     return asyncio.run(serve(engine_config(args), options))
 
 

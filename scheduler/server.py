@@ -25,6 +25,7 @@ from ferry.engine import init_request
 from ferry.sampling_params import SamplingParams
 from ferry.telemetry import TRACING_OFF, Tracing, extract_metadata, setup_tracing
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.core import RequestOutput, Scheduler
 from scheduler.metrics import Reporting, SchedulerMetrics, SchedulerTelemetry
 from scheduler.registry import Registry, SchedulerInfo
@@ -38,6 +39,10 @@ WORKER_START_TIMEOUT_S = 300.0
 
 class WorkerFailed(Exception):
     pass
+
+
+class Draining(Exception):
+    """The scheduler got SIGTERM: it finishes what it holds and takes nothing new."""
 
 
 class WorkerProcess:
@@ -103,8 +108,10 @@ class EngineLoop:
     """Owns the core Scheduler and its worker; the only code that calls schedule/update."""
 
     def __init__(self, config: EngineConfig, worker: WorkerProcess, info: worker_pb2.InitResponse,
-                 tracing: Tracing = TRACING_OFF):
+                 tracing: Tracing = TRACING_OFF, limits: AdmissionLimits = AdmissionLimits()):
         self.config = config
+        self.limits = limits
+        self.draining = False
         self.worker = worker
         self.info = info
         self.scheduler = self.new_scheduler()
@@ -121,10 +128,13 @@ class EngineLoop:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     trace_parent: Context | None = None) -> RequestStream:
+        if self.draining:
+            raise Draining("the scheduler is shutting down")
         if self.failure:
             raise WorkerFailed(self.failure)
         if any(t >= self.info.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {self.info.vocab_size})")
+        self.limits.check(self.scheduler, len(prompt_token_ids))
         self.scheduler.add_request(request_id, prompt_token_ids, params)
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = self.streams[request_id] = RequestStream(params.n)
@@ -169,6 +179,7 @@ class EngineLoop:
         log.warning("restarting the worker")
         await self.worker.stop()
         self.info = await self.worker.start(self.config)
+        self.forget_cached_blocks()
         self.scheduler = self.new_scheduler()     # the new worker holds no sequences and an empty pool
         self.failure = None
         log.warning("worker restarted")
@@ -186,9 +197,17 @@ class EngineLoop:
             if stream is not None:
                 stream.outputs.put_nowait(out)
 
+    def forget_cached_blocks(self) -> None:
+        """The old pool's blocks are gone: withdraw them from the prefix index (after its pending events)."""
+        self.on_kv_events(*self.scheduler.drain_kv_events())
+        self.on_kv_events([], list(self.scheduler.block_manager.cached))
+
     def fail_everything(self, reason: str) -> None:
         log.error("%s; failing %d in-flight requests", reason, len(self.streams))
         self.failure = reason
+        self.fail_streams(reason)
+
+    def fail_streams(self, reason: str) -> None:
         for request_id, stream in list(self.streams.items()):
             stream.outputs.put_nowait(WorkerFailed(reason))
             self.telemetry.on_abort(request_id)
@@ -224,7 +243,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                            extract_metadata(context.invocation_metadata()))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except WorkerFailed as e:
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (WorkerFailed, Draining) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finished: set[int] = set()
         first = True
@@ -265,6 +286,8 @@ class ServeOptions:
     heartbeat_ttl: float = 3.0
     metrics_port: int = 0             # 0: no /metrics endpoint
     log_stats_interval: float = 10.0  # seconds between stats lines; 0: none
+    limits: AdmissionLimits = AdmissionLimits()
+    drain_timeout: float = 30.0       # SIGTERM: seconds to finish in-flight requests before failing them
 
 
 def reachable_ip() -> str:
@@ -290,7 +313,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     reporting = None
     try:
         info = await worker.start(config)
-        loop = EngineLoop(config, worker, info, tracing)
+        loop = EngineLoop(config, worker, info, tracing, options.limits)
         scheduler_id = options.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         server = grpc.aio.server(options=GRPC_OPTIONS)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop, scheduler_id), server)
@@ -316,7 +339,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         await health_servicer.set("ferry.Scheduler", health_pb2.HealthCheckResponse.SERVING)
         print(f"scheduler {scheduler_id} serving {info.model_name} on {address} "
               f"({info.num_blocks} blocks of {info.block_size})", flush=True)
-        await run_until_signalled(loop, server, registry)
+        await run_until_signalled(loop, server, health_servicer, registry, options.drain_timeout)
         return 1 if loop.failure else 0
     finally:
         if reporting is not None:
@@ -325,7 +348,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         tracing.shutdown()
 
 
-async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, registry: Registry | None) -> None:
+async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                              registry: Registry | None, drain_timeout: float) -> None:
     import signal
 
     stop = asyncio.Event()
@@ -334,7 +358,22 @@ async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, registr
     loop_task = asyncio.create_task(loop.run())
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait([loop_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+    loop.draining = True
+    await health_servicer.enter_graceful_shutdown()
     if registry:
-        await registry.close()
-    await server.stop(grace=2)
+        await registry.close()        # routers stop choosing this scheduler
+    if not loop_task.done():
+        await drain(loop, drain_timeout)
+    await server.stop(grace=1)        # the last messages (and failures) reach their streams
     loop_task.cancel()
+
+
+async def drain(loop: EngineLoop, timeout: float) -> None:
+    """Finish the in-flight requests; those still running after `timeout` fail with UNAVAILABLE."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    if loop.streams:
+        log.warning("draining %d in-flight requests (up to %.0fs)", len(loop.streams), timeout)
+    while loop.streams and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if loop.streams:
+        loop.fail_streams(f"the scheduler shut down before the request finished (drain timeout {timeout:.0f}s)")

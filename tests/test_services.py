@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from protos import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, collect, greedy, registered_schedulers,
                                      start_services, wait_until)
 
@@ -203,6 +203,9 @@ def test_kv_events_reach_the_redis_prefix_index(services):
 def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services):
     address, scheduler = services.scheduler_addresses[1], services.schedulers[1]
     stub = scheduler_pb2_grpc.SchedulerStub(services.channel(address))
+    redis = services.redis()
+    list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=list(range(5, 69)), sampling=greedy(1))))
+    wait_until(lambda: indexed_blocks(redis, b"sched-1"), "sched-1's blocks in the prefix index")
     stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
                                                         sampling=greedy(600, ignore_eos=True)))
     next(stream)
@@ -220,6 +223,12 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
 
     wait_until(serves_again, "the scheduler serves again with a new worker", timeout=60)
     assert scheduler.poll() is None
+    # the old pool is gone: the prefix index must not send requests for its blocks here any more
+    wait_until(lambda: not indexed_blocks(redis, b"sched-1"), "the dead pool's blocks withdrawn from the index")
+
+
+def indexed_blocks(redis, scheduler_id: bytes) -> list[bytes]:
+    return [k for k in redis.scan_iter(match="ferry:blk:*") if scheduler_id in redis.smembers(k)]
 
 
 def test_requests_are_served_while_redis_is_down_and_schedulers_register_again(services, engine):
@@ -251,3 +260,13 @@ def test_killed_scheduler_stops_receiving_requests_within_the_ttl(services, engi
         assert token_ids == want.token_ids
     served = services.scheduler_stats(survivor).prompt_tokens_total - before
     assert served == sum(len(w.prompt_token_ids) for w in expected)
+
+
+def test_stop_token_id_zero_is_reported_as_the_stop_reason():
+    from router.core import SampleState, StreamState
+    from router.detokenizer import IncrementalDetokenizer
+
+    state = StreamState("r", 3, [SampleState(IncrementalDetokenizer(lambda ids: "", (), False))])
+    response = state.on_response(scheduler_pb2.ScheduleResponse(token_ids=[0], stop_token_id=0,
+                                                                finish_reason=common_pb2.FINISH_REASON_STOP))
+    assert response.stop_reason == "0"
