@@ -22,13 +22,20 @@ def main() -> int:
     parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
     parser.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
     add_http_args(parser)
+    parser.add_argument("--max-concurrent-requests", type=int, default=RouterOptions.max_concurrent_requests,
+                        help="streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
+    parser.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes,
+                        help="largest HTTP body or gRPC message accepted")
+    parser.add_argument("--drain-timeout", type=float, default=RouterOptions.drain_timeout,
+                        help="on SIGTERM, seconds in-flight streams get to finish")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     if not args.redis_url and not args.scheduler:
         parser.error("give --redis-url or at least one --scheduler")
     options = RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
-                            args.http_host, args.http_port, args.api_key)
+                            args.http_host, args.http_port, args.api_key, args.max_concurrent_requests,
+                            args.max_request_bytes, args.drain_timeout)
     return asyncio.run(serve(options))
 
 

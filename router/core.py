@@ -24,7 +24,6 @@ from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from scheduler.registry import SchedulerInfo
 
-MAX_ATTEMPTS = 3
 
 
 class RequestError(Exception):
@@ -71,7 +70,7 @@ class StreamState:
                                                logprobs=upstream.logprobs)
         if delta.stop_string is not None:
             finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
-        elif upstream.stop_token_id:
+        elif upstream.HasField("stop_token_id"):
             response.stop_reason = str(upstream.stop_token_id)
         if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
             response.finish_reason = finish
@@ -87,10 +86,17 @@ class Router:
     policy: RoutingPolicy = least_loaded
     pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     telemetry: RouterTelemetry = field(default_factory=RouterTelemetry)
+    max_concurrent_requests: int = 4096
+    in_flight: int = 0
 
     async def generate(self, request: router_pb2.GenerateRequest,
                        trace_parent: Context | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP)."""
+        if self.in_flight >= self.max_concurrent_requests:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the router is at its limit of {self.max_concurrent_requests} concurrent requests; "
+                               "retry later")
+        self.in_flight += 1
         observed = self.telemetry.start(trace_parent)
         try:
             async for response in self.route_and_proxy(request, observed):
@@ -100,6 +106,7 @@ class Router:
             observed.fail(e.code.name, e.message)
             raise
         finally:
+            self.in_flight -= 1
             observed.finish()
 
     async def route_and_proxy(self, request: router_pb2.GenerateRequest,
@@ -139,7 +146,10 @@ class Router:
 
     async def proxy(self, ranked: list[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest,
                     state: StreamState, observed: RequestObservation) -> AsyncIterator[router_pb2.GenerateResponse]:
-        for target in ranked[:MAX_ATTEMPTS]:
+        """Stream from the first scheduler that takes the request; one that is down or full before the first
+        token is skipped for the next."""
+        full = 0
+        for target in ranked:
             started = False
             self.pending[target.scheduler_id] += 1
             observed.attempt(target)
@@ -155,13 +165,18 @@ class Router:
                         return
                 return
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and not started:
+                if started or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise RequestError(e.code(), e.details() or e.code().name) from e
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full += 1
+                else:
                     self.directory.forget(target.scheduler_id)
-                    continue
-                raise RequestError(e.code(), e.details() or e.code().name) from e
             finally:
                 call.cancel()   # client gone, stop string matched, or done: the scheduler aborts what remains
                 self.pending[target.scheduler_id] -= 1
+        if full:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"every scheduler tried ({full}) is at capacity; retry later")
         raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
 
 

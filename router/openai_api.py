@@ -50,6 +50,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 RETRY_AFTER_S = 1
+MAX_REQUEST_BYTES = 4 << 20    # a request body (HTTP) or message (gRPC); larger ones are refused unread
 
 
 # --- models ----------------------------------------------------------------------------------------------
@@ -134,10 +135,26 @@ def validation_error(error: ValidationError) -> APIError:
     return APIError(400, f"{'.'.join(loc)}: {first['msg']}", param=loc[0])
 
 
-async def parse_body(request: Request, schema: type[B]) -> B:
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused as soon as it is known to exceed max_bytes (from Content-Length, or while streaming)."""
+    too_large = APIError(400, f"request body exceeds the limit of {max_bytes} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, schema: type[B], max_bytes: int = MAX_REQUEST_BYTES) -> B:
     """The JSON body as schema, whatever Content-Type the client claimed (curl -d sends a form type)."""
+    raw = await read_body(request, max_bytes)
     try:
-        data = json.loads(await request.body())
+        data = json.loads(raw)
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from e
     try:
@@ -400,6 +417,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class OpenAIServer:
     generate: GenerateFn
     models: ModelsFn
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
     def model(self, name: str) -> ServedModel:
         served = self.models()
@@ -423,7 +441,7 @@ class OpenAIServer:
                                             "max_model_len": m.max_model_len} for m in self.models()]}
 
     async def completions(self, request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, self.max_request_bytes)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -432,7 +450,7 @@ class OpenAIServer:
                                   body.num_samples)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -470,9 +488,10 @@ def reject_unsupported(problem: tuple[str, str] | None) -> None:
         raise APIError(400, reason, param=param)
 
 
-def create_app(generate: GenerateFn, *, models: ModelsFn, api_key: str | None = None) -> FastAPI:
+def create_app(generate: GenerateFn, *, models: ModelsFn, api_key: str | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
-    server = OpenAIServer(generate, models)
+    server = OpenAIServer(generate, models, max_request_bytes)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if api_key:
@@ -510,7 +529,7 @@ class HttpServer:
         await self.task
 
 
-async def serve_http(app: FastAPI, host: str, port: int) -> HttpServer:
+async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 2.0) -> HttpServer:
     """Start serving app on host:port in the running event loop; OSError if the port cannot be bound."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
@@ -519,7 +538,8 @@ async def serve_http(app: FastAPI, host: str, port: int) -> HttpServer:
     except OSError:
         sock.close()
         raise
-    server = EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    server = EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=drain_timeout))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)

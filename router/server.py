@@ -15,26 +15,37 @@ from protos import router_pb2, router_pb2_grpc
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
 from router.metrics import RouterTelemetry
-from router.openai_api import create_app, directory_models, serve_http
+from router.openai_api import MAX_REQUEST_BYTES, RETRY_AFTER_S, HttpServer, create_app, directory_models, serve_http
 from router.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, api_key: str = ""):
+    def __init__(self, router: Router, api_key: str = "", max_request_bytes: int = MAX_REQUEST_BYTES):
         self.router = router
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.api_key and not authorized(context.invocation_metadata(), self.api_key):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
                                 "(send metadata 'authorization: Bearer <key>')")
+        if request.ByteSize() > self.max_request_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request is {request.ByteSize()} bytes; the limit is {self.max_request_bytes}")
         try:
             async for response in self.router.generate(request, extract_metadata(context.invocation_metadata())):
                 yield response
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            retry_after = (("retry-after", str(RETRY_AFTER_S)),) if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else ()
+            await context.abort(e.code, e.message, trailing_metadata=retry_after)
+
+
+def grpc_server_options(max_request_bytes: int) -> list[tuple[str, int]]:
+    """Messages up to twice the limit arrive and get a clear INVALID_ARGUMENT; larger ones grpc refuses unread
+    (RESOURCE_EXHAUSTED, 'received message larger than max')."""
+    return [("grpc.max_receive_message_length", 2 * max_request_bytes)]
 
 
 def authorized(metadata, api_key: str) -> bool:
@@ -53,25 +64,31 @@ class RouterOptions:
     http_host: str = "127.0.0.1"
     http_port: int = 0                  # 0: no HTTP
     api_key: str = ""
+    max_concurrent_requests: int = 4096  # more get RESOURCE_EXHAUSTED / 429
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    drain_timeout: float = 30.0          # SIGTERM: seconds in-flight streams get to finish
 
 
 async def serve(options: RouterOptions) -> int:
     directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path)
     await directory.start()
     tracing = setup_tracing("ferry-router")
-    router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing))
+    router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing),
+                    max_concurrent_requests=options.max_concurrent_requests)
     http = None
     if options.http_port:
-        app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None)
+        app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None,
+                         max_request_bytes=options.max_request_bytes)
         router.telemetry.instrument(app)
         try:
-            http = await serve_http(app, options.http_host, options.http_port)
+            http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout)
         except OSError as e:
             await directory.close()
             raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e
         print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
-    server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(router, options.api_key), server)
+    server = grpc.aio.server(options=grpc_server_options(options.max_request_bytes))
+    router_pb2_grpc.add_RouterServicer_to_server(
+        RouterService(router, options.api_key, options.max_request_bytes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
@@ -83,9 +100,15 @@ async def serve(options: RouterOptions) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    if http is not None:
-        await http.stop()
-    await server.stop(grace=2)
+    await drain(server, http, health_servicer, options.drain_timeout)
     await directory.close()
     tracing.shutdown()
     return 0
+
+
+async def drain(server: grpc.aio.Server, http: HttpServer | None, health_servicer: health.aio.HealthServicer,
+                timeout: float) -> None:
+    """SIGTERM: report NOT_SERVING, take no new calls, let the streams in flight finish (up to timeout)."""
+    await health_servicer.enter_graceful_shutdown()
+    stops = [server.stop(grace=timeout)] + ([http.stop()] if http is not None else [])
+    await asyncio.gather(*stops)

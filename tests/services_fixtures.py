@@ -63,7 +63,8 @@ def start_redis(stack: Stack, port: int) -> subprocess.Popen:
                         "no"], "redis-server", stdout=subprocess.DEVNULL)
 
 
-def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: str) -> ServiceStack:
+def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple[str, ...] = ("--http-port", "0"),
+                   **scheduler_flags: str) -> ServiceStack:
     stack = Stack()
     try:
         redis_port = free_port()
@@ -83,8 +84,7 @@ def start_services(model_dir: Path, num_schedulers: int = 2, **scheduler_flags: 
             wait_for_health(address, stack, timeout=180)
         router_port = free_port()
         stack.start([sys.executable, "-m", "router", "--port", str(router_port), "--redis-url", redis_url,
-                     "--http-port", "0"],
-                    "router", env=CHILD_ENV)
+                     *router_flags], "router", env=CHILD_ENV)
         router_address = f"127.0.0.1:{router_port}"
         wait_for_health(router_address, stack, timeout=60)
         services = ServiceStack(redis_port, redis_url, router_address, addresses, stack, schedulers)
