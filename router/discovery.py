@@ -66,12 +66,17 @@ class SchedulerDirectory:
         if self.redis is None:
             return
         try:
-            self.live = await self.read_registrations()
+            registrations = await self.read_registrations()
             self.redis_ok = True
         except Exception as e:   # keep the last known schedulers
             if self.redis_ok:
                 log.warning("redis unreachable, routing to the last known schedulers: %s", e)
             self.redis_ok = False
+            return
+        if registrations or not self.live:
+            self.live = registrations
+        # else: an empty Redis (restarted, flushed) until the next heartbeats: keep the last known schedulers;
+        # a dead one among them is forgotten at its first refused connection
 
     async def read_registrations(self) -> dict[str, SchedulerInfo]:
         keys = [key async for key in self.redis.scan_iter(match=scheduler_key_pattern(self.prefix), count=1000)]
