@@ -245,9 +245,16 @@ def test_requests_are_served_while_redis_is_down_and_schedulers_register_again(s
 
 
 def test_killed_scheduler_stops_receiving_requests_within_the_ttl(services, engine):
-    victim, survivor = services.schedulers[0], services.scheduler_addresses[1]
+    streaming = services.router().Generate(router_pb2.GenerateRequest(text=PROMPTS[20],
+                                                                      sampling=greedy(600, ignore_eos=True)))
+    next(streaming)
+    holder = next(i for i, a in enumerate(services.scheduler_addresses) if services.scheduler_stats(a).num_running)
+    victim, survivor = services.schedulers[holder], services.scheduler_addresses[1 - holder]
     victim.send_signal(signal.SIGKILL)
     victim.wait()
+    with pytest.raises(grpc.RpcError) as cut_off:     # already streaming: a clear error, never a hang
+        list(streaming)
+    assert cut_off.value.code() == grpc.StatusCode.UNAVAILABLE
     started = time.monotonic()
     wait_until(lambda: len(registered_schedulers(services)) == 1, "the dead scheduler's key expired",
                timeout=HEARTBEAT_TTL_S + 5)
