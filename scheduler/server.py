@@ -180,7 +180,10 @@ class EngineLoop:
         await self.worker.stop()
         self.info = await self.worker.start(self.config)
         self.forget_cached_blocks()
+        old = self.scheduler
         self.scheduler = self.new_scheduler()     # the new worker holds no sequences and an empty pool
+        self.scheduler.counters = old.counters    # cumulative metrics must not go backwards
+        self.scheduler.block_manager.counters = old.block_manager.counters
         self.failure = None
         log.warning("worker restarted")
 

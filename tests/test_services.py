@@ -206,6 +206,7 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
     redis = services.redis()
     list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=list(range(5, 69)), sampling=greedy(1))))
     wait_until(lambda: indexed_blocks(redis, b"sched-1"), "sched-1's blocks in the prefix index")
+    generated_before = services.scheduler_stats(address).generation_tokens_total
     stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
                                                         sampling=greedy(600, ignore_eos=True)))
     next(stream)
@@ -223,6 +224,7 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
 
     wait_until(serves_again, "the scheduler serves again with a new worker", timeout=60)
     assert scheduler.poll() is None
+    assert services.scheduler_stats(address).generation_tokens_total > generated_before   # counters carry on
     # the old pool is gone: the prefix index must not send requests for its blocks here any more
     wait_until(lambda: not indexed_blocks(redis, b"sched-1"), "the dead pool's blocks withdrawn from the index")
 
