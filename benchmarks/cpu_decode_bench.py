@@ -4,7 +4,8 @@ the torch paths, on shapes like the engine's `mixed` workload.
     .venv/bin/python -m benchmarks.cpu_decode_bench [--batch 64] [--min-context 64] [--max-context 2048]
         [--baseline-rev e9693e1] [--layers 8] [--rounds 20] [--dtype bfloat16] [--json out.json]
 
-Every layer gets its own KV pool (so consecutive calls do not find the previous call's K/V in the cache, as in
+"new+huge" is the new kernel on copies of the pools advised to use 2 MiB pages (what kernels/cpu_decode.py
+does to every pool it sees). Every layer gets its own KV pool (so consecutive calls do not find the previous call's K/V in the cache, as in
 the engine where the 30 layers have 30 pools), with fragmented, shuffled block tables. Timings of the
 implementations are interleaved round by round (the machine is shared), and the ratios are taken per round.
 "Effective GB/s" counts the K and V bytes of every context token, read once.
@@ -75,15 +76,23 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--baseline-rev", default="e9693e1", help="git revision of the baseline kernel source")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--no-hugepages", action="store_true",
+                        help="skip 'new+huge': the new kernel on copies of the pools advised to use 2 MiB pages")
     parser.add_argument("--torch", action="store_true", help="also time the torch paths (reference, gather+SDPA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with the calling thread's CPU time (needs --threads 1): robust to other jobs "
+                             "taking the cores, not to them taking memory bandwidth")
     parser.add_argument("--json", help="also write the results to this file")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time needs --threads 1 (the kernel then runs on the calling thread)")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -103,6 +112,15 @@ def main(argv=None) -> int:
         print("cpu_decode_bench: the C++ kernel could not be built", file=sys.stderr)
         return 1
     impls["new"] = lambda q, k, v, t, c: new.paged_decode(q, k, v, t, c, scale)
+    if not args.no_hugepages:
+        # the production wrapper advises every pool it sees; here only copies, to compare on the same data
+        huge_layers = {}
+        for k, v, t in layers:
+            k2, v2 = k.clone(), v.clone()
+            cpu_decode.advise_huge_pages(k2)
+            cpu_decode.advise_huge_pages(v2)
+            huge_layers[k.data_ptr()] = (k2, v2)
+        impls["new+huge"] = lambda q, k, v, t, c: new.paged_decode(q, *huge_layers[k.data_ptr()], t, c, scale)
     if not args.no_baseline:
         base = build_baseline(args.baseline_rev)
         impls["baseline"] = lambda q, k, v, t, c: base.paged_decode(q, k, v, t, c, scale)
@@ -131,7 +149,8 @@ def main(argv=None) -> int:
     print(f"batch {args.batch}  contexts U[{args.min_context},{args.max_context}] (mean "
           f"{context_lens.float().mean():.0f}, {int(context_lens.sum())} tokens)  heads {args.num_heads}/"
           f"{args.num_kv_heads}  head_dim {args.head_dim}  {args.dtype}  {args.layers} pools  "
-          f"KV read {kv_bytes / 1e6:.1f} MB/call  threads {torch.get_num_threads()}")
+          f"KV read {kv_bytes / 1e6:.1f} MB/call  threads {torch.get_num_threads()}"
+          f"{'  (thread CPU time)' if args.cpu_time else ''}")
     for fn in impls.values():   # warm up
         for q, (k, v, t) in zip(queries, layers):
             fn(q, k, v, t, lens32)
@@ -141,10 +160,10 @@ def main(argv=None) -> int:
         for name, fn in impls.items():
             if name in slow and round_ % 5:
                 continue
-            start = time.perf_counter()
+            start = clock()
             for q, (k, v, t) in zip(queries, layers):
                 fn(q, k, v, t, lens32)
-            times[name].append((time.perf_counter() - start) / len(layers) * 1e3)
+            times[name].append((clock() - start) / len(layers) * 1e3)
     print(f"{'impl':>12} {'median ms':>10} {'p10 ms':>8} {'min ms':>8} {'GB/s@med':>9} {'GB/s@min':>9} "
           f"{'new speedup (median of per-round ratios)':>42}")
     results = {}

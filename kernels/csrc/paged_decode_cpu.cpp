@@ -4,12 +4,14 @@
 // kPartitionTokens tokens, and one work item is one (sequence, partition), all of its KV heads. An item walks its
 // blocks in order; for each block and KV head it scores the block's tokens for the G query heads sharing that KV
 // head, updates a running (max, sum, weighted values) softmax state, and reads the block's values while the
-// block is hot in the cache, prefetching the next block meanwhile. Sequences cut into several partitions are
+// block is hot in the cache, prefetching the block two ahead meanwhile (the blocks of a sequence are scattered
+// over the pool, which defeats the hardware prefetchers at block boundaries). Sequences cut into several partitions are
 // merged at the end (log-sum-exp). Items are handed out dynamically to the threads, longest first.
 //
 // With AVX-512 (F, BW, VL) a block's scores are 16 token-wise vector FMA chains over head_dim, summed across
 // lanes by one transposing reduction for the 16 tokens at once; values are accumulated with broadcast FMAs.
-// Everything accumulates in fp32 from fp32 queries (bf16/fp16 K and V are widened on load). Without AVX-512 a
+// head_dim is walked 32 elements at a time; a bf16 chunk is widened with a shift and a mask (even and odd
+// elements), the query and output rows being kept in that permuted order. Everything accumulates in fp32 from fp32 queries (bf16/fp16 K and V are widened on load). Without AVX-512 a
 // portable scalar version of the same algorithm is used. Softmax is computed in base 2, with the query
 // pre-multiplied by scale * log2(e).
 #include <torch/extension.h>
@@ -22,6 +24,10 @@
 #include <cstring>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FERRY_AVX512 1
 #include <immintrin.h>
@@ -33,6 +39,7 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kPartitionTokens = 512;
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead the next blocks are prefetched
 constexpr int64_t kGroupTokens = 16;     // tokens scored together (one AVX-512 vector of scores)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;        // "minus infinity" that stays finite under -ffast-math
@@ -128,19 +135,27 @@ void group_portable(const T* k, const T* v, int64_t k_token, int64_t v_token, in
 
 #if FERRY_AVX512
 // ---------------------------------------------------------------------------------------------------------------
-// AVX-512 path.
+// AVX-512 path. head_dim is walked in chunks of 32 elements, each widened to two fp32 vectors (a, b). For bf16
+// the pair is (even elements, odd elements) of the chunk: one 64-byte load, then a shift and a mask, no lane
+// crossing; the query and the accumulated output are kept in that same permuted order (see slot_in_chunk).
 template <typename T>
-inline __m512 load16(const T* p, __mmask16 mask);
+inline void load32(const T* p, __mmask32 mask, __m512& a, __m512& b);
 template <>
-inline __m512 load16<float>(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-template <>
-inline __m512 load16<at::BFloat16>(const at::BFloat16* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+inline void load32<float>(const float* p, __mmask32 mask, __m512& a, __m512& b) {
+  a = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), p);
+  b = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), p + 16);
 }
 template <>
-inline __m512 load16<at::Half>(const at::Half* p, __mmask16 mask) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+inline void load32<at::BFloat16>(const at::BFloat16* p, __mmask32 mask, __m512& a, __m512& b) {
+  const __m512i raw = _mm512_maskz_loadu_epi16(mask, p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+template <>
+inline void load32<at::Half>(const at::Half* p, __mmask32 mask, __m512& a, __m512& b) {
+  const __m512i raw = _mm512_maskz_loadu_epi16(mask, p);
+  a = _mm512_cvtph_ps(_mm512_castsi512_si256(raw));
+  b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
 }
 
 // 2^x for x <= 0 (x below -126 gives about 0): 2^round(x) * polynomial(fraction).
@@ -180,55 +195,91 @@ inline __m512 sum_rows16(const float* rows) {
 }
 constexpr int kTransposeRow[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 
-// n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 16 when fixed at compile time, else 0.
+inline __mmask32 chunk_mask(int64_t chunk, int64_t chunks, int64_t tail) {
+  return chunk == chunks - 1 && tail < 32 ? static_cast<__mmask32>((1u << tail) - 1u) : ~__mmask32(0);
+}
+
+// n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 32 when fixed at compile time, else 0.
 template <typename T, int TG, int CHUNKS>
 void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
                   int64_t first_head, State& st) {
-  const int64_t chunks = CHUNKS ? CHUNKS : lay.padded_dim / 16;
-  const int64_t tail = lay.head_dim - (chunks - 1) * 16;
-  const __mmask16 last_mask = static_cast<__mmask16>((1u << tail) - 1u);
-  const float* q = st.q + first_head * lay.padded_dim;
   const int64_t pd = lay.padded_dim;
+  const int64_t chunks = CHUNKS ? CHUNKS : pd / 32;
+  const int64_t tail = lay.head_dim - (chunks - 1) * 32;
+  const float* q = st.q + first_head * pd;
   alignas(64) float partial[TG][16 * 16];
   alignas(64) float probs[TG][16];
-  float correction[TG];
 
   // scores: per token, a lane-wise partial dot product per query head
   for (int64_t t = 0; t < n; ++t) {
     const T* row = k + t * k_token;
-    __m512 dot[TG];
-    for (int g = 0; g < TG; ++g) dot[g] = _mm512_setzero_ps();
+    __m512 da[TG], db[TG];
+    for (int g = 0; g < TG; ++g) da[g] = db[g] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks; ++c) {
-      const __m512 kv = load16<T>(row + c * 16, c == chunks - 1 ? last_mask : __mmask16(0xFFFF));
-      for (int g = 0; g < TG; ++g) dot[g] = _mm512_fmadd_ps(_mm512_load_ps(q + g * pd + c * 16), kv, dot[g]);
+      __m512 ka, kb;
+      load32<T>(row + c * 32, chunk_mask(c, chunks, tail), ka, kb);
+      for (int g = 0; g < TG; ++g) {
+        da[g] = _mm512_fmadd_ps(_mm512_load_ps(q + g * pd + c * 32), ka, da[g]);
+        db[g] = _mm512_fmadd_ps(_mm512_load_ps(q + g * pd + c * 32 + 16), kb, db[g]);
+      }
     }
-    for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, dot[g]);
+    for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, _mm512_add_ps(da[g], db[g]));
   }
   for (int64_t t = n; t < 16; ++t)
     for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, _mm512_setzero_ps());
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  alignas(64) float m_old[16] = {0}, m_new[16] = {0}, correction[16];
+  float block_sum[TG];
   for (int g = 0; g < TG; ++g) {
     const int64_t head = first_head + g;
     const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNegBig), sum_rows16(partial[g]));
-    const float m_new = std::max(st.m[head], _mm512_reduce_max_ps(s));
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-    correction[g] = std::exp2(st.m[head] - m_new);
-    st.m[head] = m_new;
-    st.l[head] = st.l[head] * correction[g] + _mm512_reduce_add_ps(p);
+    m_old[g] = st.m[head];
+    m_new[g] = std::max(m_old[g], _mm512_reduce_max_ps(s));
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(m_new[g]))));
+    st.m[head] = m_new[g];
+    block_sum[g] = _mm512_reduce_add_ps(p);
     _mm512_store_ps(probs[g], p);
   }
-  // values: acc = acc * correction + sum_t p_t v_t, one 16-wide chunk of head_dim at a time
+  _mm512_store_ps(correction, exp2_ps(_mm512_sub_ps(_mm512_load_ps(m_old), _mm512_load_ps(m_new))));
+  for (int g = 0; g < TG; ++g) st.l[first_head + g] = st.l[first_head + g] * correction[g] + block_sum[g];
+  // values: acc = acc * correction + sum_t p_t v_t, 32 elements of head_dim at a time; even and odd tokens go
+  // to separate accumulators (shorter dependency chains)
   float* acc = st.acc + first_head * pd;
   for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask16 mask = c == chunks - 1 ? last_mask : __mmask16(0xFFFF);
-    __m512 o[TG];
-    for (int g = 0; g < TG; ++g)
-      o[g] = _mm512_mul_ps(_mm512_load_ps(acc + g * pd + c * 16), _mm512_set1_ps(correction[g]));
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 vv = load16<T>(v + t * v_token + c * 16, mask);
-      for (int g = 0; g < TG; ++g) o[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g][t]), vv, o[g]);
+    const __mmask32 mask = chunk_mask(c, chunks, tail);
+    __m512 oa[TG], ob[TG], ea[TG], eb[TG];
+    for (int g = 0; g < TG; ++g) {
+      const __m512 cg = _mm512_set1_ps(correction[g]);
+      oa[g] = _mm512_mul_ps(_mm512_load_ps(acc + g * pd + c * 32), cg);
+      ob[g] = _mm512_mul_ps(_mm512_load_ps(acc + g * pd + c * 32 + 16), cg);
+      ea[g] = eb[g] = _mm512_setzero_ps();
     }
-    for (int g = 0; g < TG; ++g) _mm512_store_ps(acc + g * pd + c * 16, o[g]);
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+      __m512 va, vb, wa, wb;
+      load32<T>(v + t * v_token + c * 32, mask, va, vb);
+      load32<T>(v + (t + 1) * v_token + c * 32, mask, wa, wb);
+      for (int g = 0; g < TG; ++g) {
+        const __m512 p0 = _mm512_set1_ps(probs[g][t]), p1 = _mm512_set1_ps(probs[g][t + 1]);
+        oa[g] = _mm512_fmadd_ps(p0, va, oa[g]);
+        ob[g] = _mm512_fmadd_ps(p0, vb, ob[g]);
+        ea[g] = _mm512_fmadd_ps(p1, wa, ea[g]);
+        eb[g] = _mm512_fmadd_ps(p1, wb, eb[g]);
+      }
+    }
+    if (t < n) {
+      __m512 va, vb;
+      load32<T>(v + t * v_token + c * 32, mask, va, vb);
+      for (int g = 0; g < TG; ++g) {
+        const __m512 p0 = _mm512_set1_ps(probs[g][t]);
+        oa[g] = _mm512_fmadd_ps(p0, va, oa[g]);
+        ob[g] = _mm512_fmadd_ps(p0, vb, ob[g]);
+      }
+    }
+    for (int g = 0; g < TG; ++g) {
+      _mm512_store_ps(acc + g * pd + c * 32, _mm512_add_ps(oa[g], ea[g]));
+      _mm512_store_ps(acc + g * pd + c * 32 + 16, _mm512_add_ps(ob[g], eb[g]));
+    }
   }
 }
 
@@ -259,8 +310,8 @@ template <typename T>
 HeadsFn<T> pick_heads(const Layout& lay, bool portable) {
 #if FERRY_AVX512
   if (!portable) {
-    if (lay.head_dim == 64) return heads_avx512<T, 4>;
-    if (lay.head_dim == 128) return heads_avx512<T, 8>;
+    if (lay.head_dim == 64) return heads_avx512<T, 2>;
+    if (lay.head_dim == 128) return heads_avx512<T, 4>;
     return heads_avx512<T, 0>;
   }
 #endif
@@ -280,9 +331,9 @@ void run_item(const Item& item, HeadsFn<T> heads, const T* k_pool, const T* v_po
   const int64_t bs = lay.block_size;
   const int64_t row_bytes = lay.num_kv_heads * lay.head_dim * lay.kv_element;
   for (int64_t b = item.first_block; b < item.end_block; ++b) {
-    if (b + 1 < item.end_block) {
-      const int64_t next = table[b + 1];
-      const int64_t rows = std::min(bs, context_len - (b + 1) * bs);
+    if (b + kPrefetchBlocks < item.end_block) {
+      const int64_t next = table[b + kPrefetchBlocks];
+      const int64_t rows = std::min(bs, context_len - (b + kPrefetchBlocks) * bs);
       prefetch_rows(reinterpret_cast<const char*>(k_pool + next * lay.k_block), rows, lay.k_token * lay.kv_element,
                     row_bytes);
       prefetch_rows(reinterpret_cast<const char*>(v_pool + next * lay.v_block), rows, lay.v_token * lay.kv_element,
@@ -347,7 +398,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   lay.num_heads = num_heads;
   lay.num_kv_heads = num_kv_heads;
   lay.head_dim = head_dim;
-  lay.padded_dim = (head_dim + 15) / 16 * 16;
+  lay.padded_dim = (head_dim + 31) / 32 * 32;
   lay.group = num_heads / num_kv_heads;
   lay.block_size = k_cache.size(1);
   lay.k_block = k_cache.stride(0), lay.k_token = k_cache.stride(1), lay.k_head = k_cache.stride(2);
@@ -386,7 +437,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 
   auto out = torch::empty({num_seqs, num_heads, head_dim}, query.options());
   // partial results: [num_partials, num_heads, head_dim] unnormalised outputs, then max and sum per head
-  std::vector<float> partials(static_cast<size_t>(num_partials * num_heads * (head_dim + 2)));
+  thread_local std::vector<float> partials;   // reused: no page faults every call
+  partials.resize(std::max(partials.size(), static_cast<size_t>(num_partials * num_heads * (head_dim + 2))));
   float* partial_acc = partials.data();
   float* partial_ml = partials.data() + num_partials * num_heads * head_dim;
 
@@ -395,6 +447,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   void* out_ptr = out.data_ptr();
   const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
+
+  // where element d of a head lives in the kernel's query/output rows (bf16 SIMD: even then odd per 32)
+  const bool simd = FERRY_AVX512 && !portable && k_cache.scalar_type() != torch::kDouble;
+  std::vector<int64_t> slot(head_dim);
+  for (int64_t d = 0; d < head_dim; ++d)
+    slot[d] = simd && k_cache.scalar_type() == torch::kBFloat16 ? d / 32 * 32 + (d % 2) * 16 + d % 32 / 2 : d;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
     const scalar_t* k_pool = k_cache.data_ptr<scalar_t>();
@@ -413,8 +471,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
           for (int64_t h = 0; h < num_heads; ++h) {
             float* q = st.q + h * lay.padded_dim;
             const int64_t q_offset = (s * num_heads + h) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) q[d] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
-            std::fill(q + head_dim, q + lay.padded_dim, 0.f);
+            std::fill(q, q + lay.padded_dim, 0.f);
+            for (int64_t d = 0; d < head_dim; ++d) q[slot[d]] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
             std::fill(st.acc + h * lay.padded_dim, st.acc + (h + 1) * lay.padded_dim, 0.f);
             st.m[h] = kNegBig;
             st.l[h] = 0.f;
@@ -425,9 +483,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
             if (item.partial < 0) {
               const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
               const int64_t o_offset = (s * num_heads + h) * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, acc[d] * inv);
+              for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, acc[slot[d]] * inv);
             } else {
-              std::copy(acc, acc + head_dim, partial_acc + (item.partial * num_heads + h) * head_dim);
+              float* dst = partial_acc + (item.partial * num_heads + h) * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[slot[d]];
               partial_ml[2 * (item.partial * num_heads + h)] = st.m[h];
               partial_ml[2 * (item.partial * num_heads + h) + 1] = st.l[h];
             }
@@ -468,9 +527,34 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 
 bool has_avx512() { return FERRY_AVX512; }
 
+// Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
+// only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
+// dear in a VM). MADV_HUGEPAGE covers future faults, MADV_COLLAPSE (Linux 6.1+) converts pages already there.
+// Returns the bytes advised, 0 when nothing could be done; never fails.
+int64_t advise_huge_pages(int64_t address, int64_t bytes) {
+#ifdef __linux__
+  constexpr uintptr_t kHuge = 2u << 20;
+  const uintptr_t begin = (static_cast<uintptr_t>(address) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (static_cast<uintptr_t>(address) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end <= begin) return 0;
+  void* start = reinterpret_cast<void*>(begin);
+  if (madvise(start, end - begin, MADV_HUGEPAGE) != 0) return 0;
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+  madvise(start, end - begin, MADV_COLLAPSE);   // best effort: khugepaged gets there eventually otherwise
+  return static_cast<int64_t>(end - begin);
+#else
+  (void)address;
+  (void)bytes;
+  return 0;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the KV block pool (CPU)", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("portable") = false);
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
+  m.def("advise_huge_pages", &advise_huge_pages, "back a memory range with huge pages (best effort)");
 }
