@@ -1,4 +1,4 @@
-"""`ferry bench offline | serve | memory`."""
+"""`ferry bench offline | serve | memory | prefix`."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,20 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--max-concurrency", type=int, default=256)
     serve.add_argument("--plot-dir", type=Path)
     serve.set_defaults(handler=run_serve)
+
+    prefix = bench.add_parser("prefix", help="issue 4: prefix caching on/off and hit rate across routing policies, "
+                                             "each configuration a fresh `ferry up`")
+    add_workload_args(prefix)
+    prefix.set_defaults(workload="shared_prefix")
+    prefix.add_argument("--request-rate", default="1,inf",
+                        help="req/s, comma list; inf = all at once (see benchmarks/prefix_routing.py for why two)")
+    prefix.add_argument("--num-prompts", type=int, default=64)
+    prefix.add_argument("--max-concurrency", type=int, default=256)
+    prefix.add_argument("--configs", default="single,single_no_prefix_cache,cache_aware_x2,round_robin_x2",
+                        help="comma list of the stacks to start")
+    prefix.add_argument("--kv-cache-memory", type=int, default=0, help="bytes per scheduler (0: the default)")
+    prefix.add_argument("--device", default="", help="passed to ferry up (default: its own)")
+    prefix.set_defaults(handler=run_prefix)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -137,4 +151,12 @@ def run_serve(args) -> int:
         for rate, result in runs:
             ttft_distribution(result["ttft_samples_s"], args.plot_dir / f"ttft_rate_{rate:g}.png")
     report(args, {"backend": args.backend, "runs": [{"request_rate": str(r), **res} for r, res in runs]})
+    return 0
+
+
+def run_prefix(args) -> int:
+    from benchmarks.prefix_routing import run
+
+    requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
+    report(args, run(args, requests))
     return 0

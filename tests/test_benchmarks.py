@@ -38,3 +38,17 @@ def test_memory_bench_shows_paged_kv_holding_more_sequences(tiny_llama_dir, tmp_
     sharing = result["parallel_sampling"]
     assert sharing["blocks_shared"] < sharing["blocks_independent"]
     assert (tmp_path / "kv_occupancy.png").stat().st_size > 0
+
+
+def test_prefix_bench_reads_hit_counters_from_a_served_stack(tiny_llama_dir, tmp_path):
+    workload = tmp_path / "w.json"
+    prefix = list(range(5, 5 + 64))   # four full blocks of 16, shared
+    workload.write_text(json.dumps([{"prompt_token_ids": prefix + [100 + i, 200 + i], "max_tokens": 3}
+                                    for i in range(4)]))
+    result = run_bench("prefix", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
+                       str(workload), "--num-prompts", "4", "--request-rate", "inf", "--configs", "single",
+                       "--kv-cache-memory", "4000000")
+    [run] = result["runs"]
+    assert run["serve"]["completed"] == 4 and run["serve"]["output_tokens_per_s"] > 0
+    assert run["prefix_cache_queries"] == 4 * 66
+    assert 0 <= run["prefix_cache_hits"] <= 3 * 64 and run["hit_rate"] == run["prefix_cache_hits"] / (4 * 66)
