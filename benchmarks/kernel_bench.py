@@ -5,6 +5,7 @@
 For every (head_dim, context) it reports the paged kernel's time, the bytes it must read (K and V of every
 context token, plus queries, outputs and block tables), the achieved GB/s against the device's peak memory
 bandwidth, and the time ratio to torch's scaled_dot_product_attention over contiguous K/V of the same tokens.
+The C++ CPU decode kernel is measured by benchmarks/cpu_decode_bench.py.
 """
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernel_bench: no CUDA device here; the Triton decode kernel benchmark needs a GPU (nothing run).")
+        print("kernel_bench: no CUDA device here; the Triton decode kernel benchmark needs a GPU (nothing run). "
+              "The CPU decode kernel has its own: python -m benchmarks.cpu_decode_bench")
         return 0
     peak = args.peak_gbps or peak_bandwidth_gbps(torch.device("cuda"))
     dtype = getattr(torch, args.dtype)
