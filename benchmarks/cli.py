@@ -1,4 +1,4 @@
-"""`ferry bench offline | serve | memory | prefix`."""
+"""`ferry bench offline | serve | memory | prefix | split`."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,15 @@ def add_bench_parser(sub) -> None:
     prefix.add_argument("--kv-cache-memory", type=int, default=0, help="bytes per scheduler (0: the default)")
     prefix.add_argument("--device", default="", help="passed to ferry up (default: its own)")
     prefix.set_defaults(handler=run_prefix)
+    add_split_parser(bench)
+
+
+def add_split_parser(bench) -> None:
+    split = bench.add_parser("split", help="engine offline vs through `ferry up` (1 scheduler), tracing off and on")
+    add_workload_args(split)
+    split.add_argument("--max-num-seqs", type=int, default=128)
+    split.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    split.set_defaults(handler=run_split)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -159,4 +168,12 @@ def run_prefix(args) -> int:
 
     requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
     report(args, run(args, requests))
+    return 0
+
+
+def run_split(args) -> int:
+    from benchmarks.service_overhead import run
+
+    directory = model_dir(args)
+    report(args, run(args, load_requests(args, directory), directory))
     return 0

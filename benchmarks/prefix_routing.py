@@ -22,25 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import grpc
 
 from benchmarks.serve import run_load
+from benchmarks.served_stack import ServedStack
 from benchmarks.workloads import BenchRequest
-from ferry.launcher import free_port
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
-READY_TIMEOUT_S = 600.0
-READY = re.compile(r"^\[ferry\] ready: router gRPC (\S+) .*· redis (\S+) · schedulers (.+?) · model ")
 
 
 @dataclass(frozen=True)
@@ -61,68 +53,6 @@ CONFIGS = {c.name: c for c in (
     StackConfig("cache_aware_x2", 2, "cache_aware"),
     StackConfig("round_robin_x2", 2, "round_robin"),
 )}
-
-
-class ServedStack:
-    """`ferry up` as a subprocess: started, read until its ready line (its output kept for errors), stopped."""
-
-    def __init__(self, up_args: list[str]):
-        port = free_port()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ferry.cli", "up", "--port", str(port), "--http-port", "0", *up_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "FERRY_LOG_LEVEL": os.environ.get("FERRY_LOG_LEVEL", "WARNING")})
-        self.output: deque[str] = deque(maxlen=60)
-        self.ready = threading.Event()
-        self.router = ""
-        self.redis_url = ""
-        self.schedulers: list[str] = []
-        threading.Thread(target=self.read_output, daemon=True).start()
-
-    def read_output(self) -> None:
-        for line in self.process.stdout:    # drained to the end, or the stack would block on a full pipe
-            self.output.append(line.rstrip())
-            match = READY.match(line)
-            if match:
-                self.router, self.redis_url = match.group(1), match.group(2)
-                self.schedulers = [a.strip() for a in match.group(3).split(",")]
-                self.ready.set()
-
-    def wait_ready(self, num_schedulers: int, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("ferry up did not get ready:\n" + "\n".join(self.output))
-        wait_registered(self.redis_url, num_schedulers)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)   # ferry up stops its own stack
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-    def __enter__(self) -> ServedStack:
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.stop()
-
-
-def wait_registered(redis_url: str, num_schedulers: int, timeout: float = 30.0) -> None:
-    """Every scheduler in Redis, and one router refresh later, so the first request can go to any of them."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout
-    while len(list(client.scan_iter(match="ferry:scheduler:*"))) < num_schedulers:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{num_schedulers} schedulers did not register in {timeout:.0f}s")
-        time.sleep(0.1)
-    client.close()
-    time.sleep(1.0)
 
 
 def scheduler_stats(address: str) -> scheduler_pb2.StatsResponse:

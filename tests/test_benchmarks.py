@@ -52,3 +52,15 @@ def test_prefix_bench_reads_hit_counters_from_a_served_stack(tiny_llama_dir, tmp
     assert run["serve"]["completed"] == 4 and run["serve"]["output_tokens_per_s"] > 0
     assert run["prefix_cache_queries"] == 4 * 66
     assert 0 <= run["prefix_cache_hits"] <= 3 * 64 and run["hit_rate"] == run["prefix_cache_hits"] / (4 * 66)
+
+
+def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 5 + n)), "max_tokens": 6}
+                                    for n in (4, 9, 17)]))
+    result = run_bench("split", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
+                       str(workload), "--kv-cache-memory", "4000000")
+    assert result["offline"]["output_tokens"] == 18
+    assert result["served"]["completed"] == result["served_traced"]["completed"] == 3
+    assert result["spans_received"] >= 3 * 2      # at least a router and a scheduler span per request
+    assert set(result["ratios"]) == {"served/offline", "traced/untraced"}
