@@ -40,6 +40,14 @@ class ServiceStack:
     def scheduler_stats(self, address: str) -> scheduler_pb2.StatsResponse:
         return scheduler_pb2_grpc.SchedulerStub(self.channel(address)).Stats(scheduler_pb2.StatsRequest(), timeout=5)
 
+    def idle(self) -> bool:
+        """No request running or waiting on any scheduler and every block free (cached-free blocks count)."""
+        for address in self.scheduler_addresses:
+            stats = self.scheduler_stats(address)
+            if stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
+                return False
+        return True
+
     def redis(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url)
 

@@ -40,11 +40,7 @@ class HttpStack:
         return sum(self.services.scheduler_stats(a).generation_tokens_total for a in self.services.scheduler_addresses)
 
     def idle(self) -> bool:
-        for address in self.services.scheduler_addresses:
-            stats = self.services.scheduler_stats(address)
-            if stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
-                return False
-        return True
+        return self.services.idle()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Cache-aware routing: requests go where their prompt's prefix blocks already are, weighed against load."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest

@@ -39,11 +39,7 @@ class Stack:
                           timeout=timeout)
 
     def idle(self) -> bool:
-        for address in self.services.scheduler_addresses:
-            stats = self.services.scheduler_stats(address)
-            if stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
-                return False
-        return True
+        return self.services.idle()
 
     def pids(self) -> list[int]:
         """Router, schedulers and their workers."""
@@ -405,7 +401,7 @@ def test_soak_with_a_killed_worker_and_a_redis_restart_loses_and_leaks_nothing(t
         statuses = [status for status, _, _ in results]
         print("soak outcomes:", {s: statuses.count(s) for s in set(statuses)})
         assert statuses.count("OK") > SOAK_REQUESTS // 3, {s: statuses.count(s) for s in set(statuses)}
-        wait_until(lambda: Stack(services, "").idle(), "every pool back to all-free (cached blocks count as free)",
+        wait_until(services.idle, "every pool back to all-free (cached blocks count as free)",
                    timeout=30)
         for scheduler in services.schedulers:          # one live worker each, the killed one reaped
             assert scheduler.poll() is None and len(children(scheduler.pid)) == 1

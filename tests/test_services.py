@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,14 +37,6 @@ def engine_greedy(engine, prompts, max_tokens):
     from ferry.sampling_params import SamplingParams
 
     return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-
-
-def pool_is_idle(services) -> bool:
-    for address in services.scheduler_addresses:
-        stats = services.scheduler_stats(address)
-        if stats.num_running or stats.num_waiting or stats.num_free_blocks != stats.num_blocks:
-            return False
-    return True
 
 
 def test_streamed_greedy_completion_matches_engine(services, engine):
@@ -103,7 +94,7 @@ def test_first_token_arrives_before_the_last_is_computed(services):
 
 
 def test_cancelled_stream_frees_its_blocks_and_others_are_unaffected(services, engine):
-    wait_until(lambda: pool_is_idle(services), "pools idle before the test")
+    wait_until(services.idle, "pools idle before the test")
     expected = engine_greedy(engine, PROMPTS[2:6], 32)
     long_stream = services.router().Generate(router_pb2.GenerateRequest(
         text=PROMPTS[6], sampling=greedy(600, ignore_eos=True)))
@@ -116,7 +107,7 @@ def test_cancelled_stream_frees_its_blocks_and_others_are_unaffected(services, e
         results = [f.result() for f in others]
     for (token_ids, text, _), want in zip(results, expected):
         assert token_ids == want.token_ids and text == want.text
-    wait_until(lambda: pool_is_idle(services), "every block free again after the cancel", timeout=10)
+    wait_until(services.idle, "every block free again after the cancel", timeout=10)
 
 
 def test_a_second_router_serves_the_same_schedulers(services, engine):
@@ -146,7 +137,7 @@ def test_stop_string_ends_the_stream_and_is_never_streamed(services, engine):
     assert text == full[:full.index(stop)]
     assert messages[-1].finish_reason == 2 and messages[-1].stop_reason == stop
     assert messages[-1].HasField("usage")
-    wait_until(lambda: pool_is_idle(services), "the stopped request aborted upstream", timeout=10)
+    wait_until(services.idle, "the stopped request aborted upstream", timeout=10)
 
 
 @pytest.mark.parametrize("request_fields, reason", [
@@ -183,7 +174,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort_and_frees_blocks(service
     assert stub.Abort(scheduler_pb2.AbortRequest(request_id="to-abort")).found
     assert list(stream)[-1].finish_reason == 3
     assert not stub.Abort(scheduler_pb2.AbortRequest(request_id="to-abort")).found
-    wait_until(lambda: pool_is_idle(services), "blocks freed after Abort", timeout=10)
+    wait_until(services.idle, "blocks freed after Abort", timeout=10)
 
 
 def worker_pid(scheduler_pid: int) -> int:
