@@ -45,7 +45,22 @@ def load(name: str, tokenizer=None, num_requests: int | None = None) -> list[Ben
         return chat_workload(tokenizer, num_requests or 32)
     shared = SHARED_WORKLOADS / f"{name}.json"
     requests = load_workload_file(shared) if shared.is_file() else generate(name)
+    if num_requests and num_requests > len(requests):
+        return extend(requests, num_requests)
     return requests[:num_requests] if num_requests else requests
+
+
+def extend(requests: list[BenchRequest], num_requests: int, vocab: tuple[int, int] = (1000, 40000)
+           ) -> list[BenchRequest]:
+    """More requests of the same shape: copy k shifts every token id by k positions of the vocabulary range, so
+    no copy shares a prefix with another and the prefix cache cannot flatter the longer workload."""
+    low, span = vocab[0], vocab[1] - vocab[0]
+    out = []
+    for i in range(num_requests):
+        base, copy = requests[i % len(requests)], i // len(requests)
+        ids = [low + (t - low + 7919 * copy) % span for t in base.prompt_token_ids]
+        out.append(BenchRequest(ids, base.max_tokens))
+    return out
 
 
 def chat_workload(tokenizer, num_requests: int) -> list[BenchRequest]:

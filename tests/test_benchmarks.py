@@ -64,3 +64,13 @@ def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, 
     assert result["served"]["completed"] == result["served_traced"]["completed"] == 3
     assert result["spans_received"] >= 3 * 2      # at least a router and a scheduler span per request
     assert set(result["ratios"]) == {"served/offline", "traced/untraced"}
+
+
+def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_prefixes():
+    from benchmarks.workloads import BenchRequest, extend
+
+    base = [BenchRequest(list(range(1000, 1000 + n)), m) for n, m in [(20, 5), (33, 7)]]
+    longer = extend(base, 6)
+    assert [(len(r.prompt_token_ids), r.max_tokens) for r in longer] == [(20, 5), (33, 7)] * 3
+    assert len({tuple(r.prompt_token_ids[:16]) for r in longer}) == 6
+    assert all(1000 <= t < 40000 for r in longer for t in r.prompt_token_ids)
