@@ -69,7 +69,7 @@ def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, 
 def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_prefixes():
     from benchmarks.workloads import BenchRequest, extend
 
-    base = [BenchRequest(list(range(1000, 1000 + n)), m) for n, m in [(20, 5), (33, 7)]]
+    base = [BenchRequest(list(range(start, start + n)), m) for start, n, m in [(1000, 20, 5), (5000, 33, 7)]]
     longer = extend(base, 6)
     assert [(len(r.prompt_token_ids), r.max_tokens) for r in longer] == [(20, 5), (33, 7)] * 3
     assert len({tuple(r.prompt_token_ids[:16]) for r in longer}) == 6
