@@ -27,22 +27,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.worker = Worker()
         self.health = health_servicer
         self.tracing = tracing
-        self.lock = threading.Lock()     # the scheduler sends one step at a time; this keeps it so
+        # All model work on one thread, one call at a time: torch's OpenMP team belongs to the thread that starts
+        # a parallel region, so steps hopping between gRPC's handler threads would each bring their own team
+        # of math threads, spinning against each other on the same cores.
+        self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
     def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
         try:
-            with self.lock:
-                response = self.worker.init(request)
+            response = self.compute.submit(self.worker.init, request).result()
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.health.set("ferry.Worker", health_pb2.HealthCheckResponse.SERVING)
         return response
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
-        with self.lock:
-            if not request.traceparents:
-                return self.worker.step(request)
-            return self.traced_step(request)
+        if not request.traceparents:
+            return self.compute.submit(self.worker.step, request).result()
+        return self.compute.submit(self.traced_step, request).result()
 
     def traced_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         """One step span, linked to every request span it served (a step serves many traces at once)."""
