@@ -163,17 +163,30 @@ class EngineLoop:
                 return
 
     async def run_steps(self) -> None:
-        while True:
-            step = self.scheduler.schedule()
-            if step is None:
-                await self.wait_for_work()
-                continue
-            self.telemetry.on_step(step)
-            result = await self.worker.step(step)
-            outputs = self.scheduler.update(step, result)
-            self.telemetry.on_outputs(outputs)
-            self.deliver(outputs)
-            self.on_kv_events(*self.scheduler.drain_kv_events())
+        in_flight: tuple[worker_pb2.StepRequest, asyncio.Future] | None = None
+        try:
+            while True:
+                if in_flight is None:
+                    step = self.scheduler.schedule()
+                    if step is None:
+                        await self.wait_for_work()
+                        continue
+                    in_flight = self.send(step)
+                step, pending = in_flight
+                outputs = self.scheduler.update(step, await pending)
+                # the next step goes to the worker before the streams are served: the worker never waits for them
+                following = self.scheduler.schedule()
+                in_flight = self.send(following) if following is not None else None
+                self.telemetry.on_outputs(outputs)
+                self.deliver(outputs)
+                self.on_kv_events(*self.scheduler.drain_kv_events())
+        finally:
+            if in_flight is not None:
+                in_flight[1].cancel()
+
+    def send(self, step: worker_pb2.StepRequest) -> tuple[worker_pb2.StepRequest, asyncio.Future]:
+        self.telemetry.on_step(step)
+        return step, asyncio.ensure_future(self.worker.step(step))
 
     async def restart_worker(self) -> None:
         log.warning("restarting the worker")
