@@ -7,6 +7,7 @@ transformers' apply_chat_template does.
 from __future__ import annotations
 
 import json
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -72,6 +73,15 @@ class RouterTokenizer:
         return self.encode(self.render_chat(messages))
 
 
-@lru_cache(maxsize=8)
+_loading = threading.Lock()
+
+
 def load_tokenizer(model_path: str) -> RouterTokenizer:
+    """One tokenizer per model path; a burst of first requests loads it once, not once per request."""
+    with _loading:
+        return cached_tokenizer(model_path)
+
+
+@lru_cache(maxsize=8)
+def cached_tokenizer(model_path: str) -> RouterTokenizer:
     return RouterTokenizer(model_path)
