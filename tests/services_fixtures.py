@@ -110,6 +110,16 @@ def registered_schedulers(services: ServiceStack) -> list[bytes]:
         return []
 
 
+def child_pids(pid: int) -> list[int]:
+    """A process's children (a scheduler's: its worker)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def indexed_blocks(redis_client: redis.Redis, scheduler_id: str) -> list[bytes]:
+    """The prefix-index keys that name scheduler_id as a holder."""
+    return [k for k in redis_client.scan_iter(match="ferry:blk:*") if scheduler_id.encode() in redis_client.smembers(k)]
+
+
 def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

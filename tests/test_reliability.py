@@ -17,10 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ferry.launcher import Stack as LauncherStack
 from ferry.launcher import free_port, wait_for_health
 from ferry.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.services_fixtures import CHILD_ENV, ServiceStack, collect, greedy, start_services, wait_until
+from tests.services_fixtures import (CHILD_ENV, ServiceStack, child_pids, collect, greedy, indexed_blocks,
+                                     start_services, wait_until)
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
@@ -44,11 +46,7 @@ class Stack:
     def pids(self) -> list[int]:
         """Router, schedulers and their workers."""
         own = [p.pid for p in self.services.stack.processes if p.args[0] != "redis-server"]
-        return own + [int(c) for p in self.services.schedulers for c in children(p.pid)]
-
-
-def children(pid: int) -> list[str]:
-    return open(f"/proc/{pid}/task/{pid}/children").read().split()
+        return own + [c for p in self.services.schedulers for c in child_pids(p.pid)]
 
 
 def rss_bytes(pid: int) -> int:
@@ -251,25 +249,17 @@ def test_fuzzed_grpc_requests_never_get_internal_or_unknown(stack, prompt, sampl
 
 # --- graceful shutdown -------------------------------------------------------------------------------------
 def start_scheduler(model_dir, redis_url: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "scheduler", "--model", str(model_dir), "--dtype", "float32",
-                                "--kv-cache-memory", "4000000", "--port", str(port), "--redis-url", redis_url,
-                                "--scheduler-id", f"drain-{port}", "--heartbeat-ttl", "30", *flags], env=CHILD_ENV)
-    wait_for_health(f"127.0.0.1:{port}", _Alone(process), timeout=180)
+    port, alone = free_port(), LauncherStack()
+    process = alone.start([sys.executable, "-m", "scheduler", "--model", str(model_dir), "--dtype", "float32",
+                           "--kv-cache-memory", "4000000", "--port", str(port), "--redis-url", redis_url,
+                           "--scheduler-id", f"drain-{port}", "--heartbeat-ttl", "30", *flags], "scheduler",
+                          env=CHILD_ENV)
+    wait_for_health(f"127.0.0.1:{port}", alone, timeout=180)
     return process, f"127.0.0.1:{port}"
 
 
-@dataclass
-class _Alone:
-    process: subprocess.Popen
-
-    def any_exited(self):
-        return self.process if self.process.poll() is not None else None
-
-
 def scheduler_keys(redis, scheduler_id: str) -> list[bytes]:
-    keys = [k for k in redis.scan_iter(match="ferry:blk:*") if scheduler_id.encode() in redis.smembers(k)]
-    return keys + list(redis.scan_iter(match=f"ferry:scheduler:{scheduler_id}"))
+    return indexed_blocks(redis, scheduler_id) + list(redis.scan_iter(match=f"ferry:scheduler:{scheduler_id}"))
 
 
 def test_sigterm_drains_in_flight_requests_deregisters_and_exits_zero(stack, tiny_llama_dir):
@@ -303,7 +293,7 @@ def test_sigterm_fails_what_outlasts_the_drain_timeout_with_unavailable(stack, t
         stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
                                                             sampling=greedy(1000, ignore_eos=True)))
         next(stream)
-        worker = children(process.pid)[0]
+        worker = child_pids(process.pid)[0]
         process.send_signal(signal.SIGTERM)
         with pytest.raises(grpc.RpcError) as error:
             list(stream)
@@ -339,9 +329,9 @@ class SoakCase:
 def soak_case(rng) -> SoakCase:
     max_tokens = rng.randint(1, SOAK_MAX_TOKENS)
     if rng.random() < 0.15:
-        return SoakCase(rng.randrange(len(SOAK_PROMPTS)),
-                        common_pb2.SamplingParams(**{"max_tokens": 4, **rng.choice(INVALID_SAMPLING)}), False, False, None,
-                        False)
+        prompt = rng.randrange(len(SOAK_PROMPTS))
+        invalid = common_pb2.SamplingParams(**{"max_tokens": 4, **rng.choice(INVALID_SAMPLING)})
+        return SoakCase(prompt, invalid, False, False, None, False)
     is_greedy = rng.random() < 0.6
     sampling = (greedy(max_tokens, ignore_eos=True) if is_greedy else
                 common_pb2.SamplingParams(max_tokens=max_tokens, temperature=rng.uniform(0.5, 1.5),
@@ -379,11 +369,11 @@ def test_soak_with_a_killed_worker_and_a_redis_restart_loses_and_leaks_nothing(t
     cases = [soak_case(rng) for _ in range(SOAK_REQUESTS)]
     services = start_services(tiny_llama_dir)
     try:
-        workers_before = {p.pid: children(p.pid) for p in services.schedulers}
+        workers_before = {p.pid: child_pids(p.pid) for p in services.schedulers}
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(run_soak_case, services, case) for case in cases]
             futures[SOAK_REQUESTS // 3].result()
-            os.kill(int(workers_before[services.schedulers[1].pid][0]), signal.SIGKILL)
+            os.kill(workers_before[services.schedulers[1].pid][0], signal.SIGKILL)
             futures[2 * SOAK_REQUESTS // 3].result()
             services.restart_redis(lambda: futures[3 * SOAK_REQUESTS // 4].result())
             results = [f.result() for f in futures]
@@ -404,7 +394,7 @@ def test_soak_with_a_killed_worker_and_a_redis_restart_loses_and_leaks_nothing(t
         wait_until(services.idle, "every pool back to all-free (cached blocks count as free)",
                    timeout=30)
         for scheduler in services.schedulers:          # one live worker each, the killed one reaped
-            assert scheduler.poll() is None and len(children(scheduler.pid)) == 1
+            assert scheduler.poll() is None and len(child_pids(scheduler.pid)) == 1
         pids = Stack(services, "").pids()
     finally:
         services.stop()

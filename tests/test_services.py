@@ -5,14 +5,13 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 
 from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, collect, greedy, registered_schedulers,
-                                     start_services, wait_until)
+from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, child_pids, collect, greedy, indexed_blocks,
+                                     registered_schedulers, start_services, wait_until)
 
 PROMPTS = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(32)]
 
@@ -178,9 +177,8 @@ def test_abort_ends_the_stream_with_finish_reason_abort_and_frees_blocks(service
 
 
 def worker_pid(scheduler_pid: int) -> int:
-    children = Path(f"/proc/{scheduler_pid}/task/{scheduler_pid}/children").read_text().split()
-    assert len(children) == 1
-    return int(children[0])
+    [worker] = child_pids(scheduler_pid)
+    return worker
 
 
 def test_kv_events_reach_the_redis_prefix_index(services):
@@ -196,7 +194,7 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
     stub = scheduler_pb2_grpc.SchedulerStub(services.channel(address))
     redis = services.redis()
     list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=list(range(5, 69)), sampling=greedy(1))))
-    wait_until(lambda: indexed_blocks(redis, b"sched-1"), "sched-1's blocks in the prefix index")
+    wait_until(lambda: indexed_blocks(redis, "sched-1"), "sched-1's blocks in the prefix index")
     generated_before = services.scheduler_stats(address).generation_tokens_total
     stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
                                                         sampling=greedy(600, ignore_eos=True)))
@@ -217,11 +215,7 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
     assert scheduler.poll() is None
     assert services.scheduler_stats(address).generation_tokens_total > generated_before   # counters carry on
     # the old pool is gone: the prefix index must not send requests for its blocks here any more
-    wait_until(lambda: not indexed_blocks(redis, b"sched-1"), "the dead pool's blocks withdrawn from the index")
-
-
-def indexed_blocks(redis, scheduler_id: bytes) -> list[bytes]:
-    return [k for k in redis.scan_iter(match="ferry:blk:*") if scheduler_id in redis.smembers(k)]
+    wait_until(lambda: not indexed_blocks(redis, "sched-1"), "the dead pool's blocks withdrawn from the index")
 
 
 def test_requests_are_served_while_redis_is_down_and_schedulers_register_again(services, engine):
