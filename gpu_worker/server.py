@@ -41,9 +41,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return response
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
-        if not request.traceparents:
-            return self.compute.submit(self.worker.step, request).result()
-        return self.compute.submit(self.traced_step, request).result()
+        step = self.traced_step if request.traceparents else self.worker.step
+        return self.compute.submit(step, request).result()
 
     def traced_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         """One step span, linked to every request span it served (a step serves many traces at once)."""

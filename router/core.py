@@ -25,7 +25,6 @@ from router.tokenizer import RouterTokenizer, load_tokenizer
 from scheduler.registry import SchedulerInfo
 
 
-
 class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
