@@ -59,15 +59,19 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid, block_size,
-                  stride_cb, stride_cs, stride_ch, UPCAST: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] of one KV head at the given token positions, through the block table."""
+def _load_kv_tiles(k_cache_ptr, v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid, block_size,
+                   stride_cb, stride_cs, stride_ch, UPCAST: tl.constexpr):
+    """K and V, [BLOCK_N, BLOCK_D] each, of one KV head at the given token positions (one block-table lookup)."""
     blocks = tl.load(block_table_row + positions // block_size, mask=valid, other=0).to(tl.int64)
     rows = blocks * stride_cb + (positions % block_size) * stride_cs + kv_head * stride_ch
-    tile = tl.load(cache_ptr + rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
+    offsets = rows[:, None] + offs_d[None, :]
+    mask = valid[:, None] & d_valid[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
     if UPCAST:
-        tile = tile.to(tl.float32)
-    return tile
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit
@@ -114,10 +118,8 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_ca
     for start in range(part_start, part_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < part_end
-        k = _load_kv_tile(k_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid, block_size,
-                          stride_cb, stride_cs, stride_ch, UPCAST)
-        v = _load_kv_tile(v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid, block_size,
-                          stride_cb, stride_cs, stride_ch, UPCAST)
+        k, v = _load_kv_tiles(k_cache_ptr, v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid,
+                              block_size, stride_cb, stride_cs, stride_ch, UPCAST)
         m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -192,10 +194,8 @@ def _prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
     for start in range(0, key_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < key_end
-        k = _load_kv_tile(k_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid, block_size,
-                          stride_cb, stride_cs, stride_ch, UPCAST)
-        v = _load_kv_tile(v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid, block_size,
-                          stride_cb, stride_cs, stride_ch, UPCAST)
+        k, v = _load_kv_tiles(k_cache_ptr, v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid,
+                              block_size, stride_cb, stride_cs, stride_ch, UPCAST)
         visible = valid[None, :] & (positions[None, :] <= query_positions[:, None])
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
