@@ -7,6 +7,7 @@ import logging
 import torch
 from transformers import AutoConfig
 
+from gpu_worker import cpu_linear
 from gpu_worker.kv_pool import KVPool, kv_budget
 from gpu_worker.model import LlamaForCausalLM, ModelShape, rope_cos_sin
 from gpu_worker.model_files import resolve_model_dir
@@ -78,6 +79,8 @@ class Worker:
         model = model.to_empty(device=device)
         load_weights(model, model_dir)
         model = model.to(dtype).eval()
+        if cpu_linear.available(dtype, device):
+            cpu_linear.pack_linear_layers(model)
         cos, sin = rope_cos_sin(hf_config, shape.head_dim, max_model_len)
         model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
         return model

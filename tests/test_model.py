@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ferry.sampling_params import SamplingParams
+from gpu_worker import cpu_linear
 from gpu_worker.worker import Worker
 from protos import worker_pb2
 
@@ -98,6 +99,28 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_llama_dir):
     result = worker.step(worker_pb2.StepRequest(new_seqs=[new_seq("a", prompt, [0, 1, 2, 3, 4], 0, len(prompt))]))
     expected = reference_logprobs(tiny_llama_dir, prompt)[-1]
     assert result.sampled[0].token_id in expected.topk(3).indices.tolist()
+
+
+@pytest.mark.skipif(not cpu_linear.available(torch.bfloat16, torch.device("cpu")),
+                    reason="oneDNN bf16 is not supported on this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bfloat16_linear_is_bit_identical_to_plain_linear(bias):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    packed = cpu_linear.PackedLinear(plain)
+    for rows in (1, 5, 64, 300):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), plain(x))
+
+
+def test_bfloat16_worker_on_cpu_packs_its_linear_layers(tiny_llama_tied_dir):
+    worker = Worker()
+    worker.init(worker_pb2.InitRequest(model=str(tiny_llama_tied_dir), dtype="bfloat16", device="cpu",
+                                       kv_cache_memory=1 << 22, block_size=BLOCK_SIZE))
+    model = worker.runner.model
+    expected = cpu_linear.PackedLinear if cpu_linear.available(torch.bfloat16, torch.device("cpu")) else torch.nn.Linear
+    assert isinstance(model.lm_head, expected) and isinstance(model.layers[0].mlp.down_proj, expected)
+    assert model.embed_tokens.weight.shape[0] == model.lm_head.out_features   # the tied embedding stays
 
 
 def test_unknown_model_directory_is_a_clear_error(tmp_path):
