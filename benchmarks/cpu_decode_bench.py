@@ -129,7 +129,7 @@ def main(argv=None) -> int:
 
         def gather_sdpa(q, k, v, t, c):
             # what torch_paged.prepare builds for decodes when the C++ kernel is absent
-            meta = torch_paged.PagedMetadata(len(c), 1, None, None, None, None)
+            meta = torch_paged.PagedMetadata(len(c), 1, None, None)
             positions = torch.arange(int(c.max()))
             blocks = t.long().gather(1, (positions // args.block_size).clamp(max=t.shape[1] - 1)
                                      .expand(len(c), -1))
