@@ -1,8 +1,11 @@
 """Incremental detokenization of one sample with stop strings.
 
-Deltas concatenate to exactly the final text: each call decodes the sample's tokens and emits what lies beyond
-the text already sent. Text is held back while the decode ends in U+FFFD (a multi-byte character still being
-built) and while its tail could be the start of a stop string.
+Each step decodes only a short window of trailing tokens (vLLM's prefix_offset / read_offset): the window's
+leading tokens (already read) give the context a tokenizer needs to render the new ones (a leading space, a
+byte-level character split across tokens), and the text beyond their own decode is the new text. Text is
+committed once it does not end in U+FFFD (a multi-byte character still being built). The final step decodes
+the whole sample once, so deltas concatenate to exactly the full decode for every tokenizer. Text is held back
+while its tail could be the start of a stop string.
 """
 from __future__ import annotations
 
@@ -35,11 +38,15 @@ class IncrementalDetokenizer:
     stops: tuple[str, ...] = ()
     include_stop_str: bool = False
     token_ids: list[int] = field(default_factory=list)
-    sent: str = ""
+    text: str = ""             # decode(token_ids[:read_offset])
+    prefix_offset: int = 0     # token_ids[prefix_offset:read_offset]: read tokens, decoded again as context
+    read_offset: int = 0
+    prefix_text: str = ""      # decode(token_ids[prefix_offset:read_offset])
+    num_sent: int = 0          # characters of text sent so far
 
     def add(self, new_token_ids: list[int], final: bool = False) -> TextDelta:
         self.token_ids.extend(new_token_ids)
-        text = self.decode(self.token_ids)
+        text = self.decode(self.token_ids) if final else self.decode_new_tokens()
         match = self.find_stop(text)
         if match is not None:
             start, stop = match
@@ -51,19 +58,27 @@ class IncrementalDetokenizer:
             return TextDelta("")
         return self.emit(text[:len(text) - held_back_length(text, self.stops)])
 
+    def decode_new_tokens(self) -> str:
+        """The text of all tokens, decoding only the window from prefix_offset; commits it unless it ends in
+        U+FFFD."""
+        window = self.decode(self.token_ids[self.prefix_offset:])
+        text = self.text + window[len(self.prefix_text):]
+        if len(window) > len(self.prefix_text) and not window.endswith(REPLACEMENT_CHAR):
+            self.text = text
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            self.prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        return text
+
     def find_stop(self, text: str) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
         for stop in self.stops:
-            # text before len(sent) - len(stop) + 1 was checked already (nothing sent can start a stop string)
-            index = text.find(stop, max(0, len(self.sent) - len(stop) + 1))
+            # text before num_sent - len(stop) + 1 was checked already (nothing sent can start a stop string)
+            index = text.find(stop, max(0, self.num_sent - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return best
 
     def emit(self, upto: str, stop: str | None = None) -> TextDelta:
-        if not upto.startswith(self.sent):   # a decode that rewrote sent text: send only what is new
-            delta = upto[len(self.sent):] if len(upto) > len(self.sent) else ""
-        else:
-            delta = upto[len(self.sent):]
-        self.sent += delta
+        delta = upto[self.num_sent:]
+        self.num_sent += len(delta)
         return TextDelta(delta, stop)

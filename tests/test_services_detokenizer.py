@@ -1,5 +1,8 @@
-"""The router's incremental detokenizer and stop strings, against the real tiny tokenizer (no processes)."""
+"""The router's incremental detokenizer and stop strings, against the real tiny tokenizer and a Llama-style
+(sentencepiece) one (no processes)."""
 from __future__ import annotations
+
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -11,11 +14,49 @@ from router.tokenizer import RouterTokenizer
 from scheduler.registry import SchedulerInfo
 
 TEXT = "Ünïcödé têxt, emoji 🚢⛴️ and 中文字符 must survive incremental detokenization."
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",
+          "Continuous batching keeps the accelerator busy; paged attention keeps memory tight.", TEXT,
+          "def hello(world):\n    return f'hello {world}'\n"] * 20
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir) -> RouterTokenizer:
     return RouterTokenizer(str(tiny_llama_dir))
+
+
+def build_llama_style_tokenizer(path) -> None:
+    """Llama 2's tokenizer.json shape: spaces as "▁" (one prepended, stripped again on decode), byte fallback
+    tokens <0x00>..<0xFF>, so a token decodes differently alone than after another."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, limit_alphabet=40, max_token_length=5,
+                                                        special_tokens=["<unk>", "<s>", "</s>"]))
+    spec = json.loads(tok.to_str())
+    learned = [piece for piece, _ in sorted(spec["model"]["vocab"].items(), key=lambda item: item[1])]
+    pieces = learned[:3] + [f"<0x{b:02X}>" for b in range(256)] + learned[3:]
+    spec["model"]["vocab"] = {piece: i for i, piece in enumerate(pieces)}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+
+
+@pytest.fixture(scope="module")
+def llama_style_tokenizer(tmp_path_factory) -> RouterTokenizer:
+    path = tmp_path_factory.mktemp("llama-style-tokenizer")
+    build_llama_style_tokenizer(path)
+    return RouterTokenizer(str(path))
+
+
+@pytest.fixture(params=["byte_level", "llama_style"])
+def any_tokenizer(request, tokenizer, llama_style_tokenizer) -> RouterTokenizer:
+    return tokenizer if request.param == "byte_level" else llama_style_tokenizer
+
+
+def whole_tokens(tokenizer: RouterTokenizer) -> list[int]:
+    """Ids of tokens that are not single bytes: any sequence of them decodes the same in every window."""
+    return [i for piece, i in tokenizer.tokenizer.get_vocab().items() if not piece.startswith("<0x")]
 
 
 def stream(tokenizer, token_ids, chunks, stops=()):
@@ -56,8 +97,48 @@ def test_deltas_concatenate_to_the_full_text_and_never_split_a_character(tokeniz
         assert all(not d.text.endswith("\ufffd") for d in deltas)
 
 
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_deltas_concatenate_to_the_full_text_for_a_llama_style_tokenizer(llama_style_tokenizer, data):
+    tokenizer = llama_style_tokenizer
+    vocab = whole_tokens(tokenizer)
+    token_ids = []
+    for piece in data.draw(st.lists(st.one_of(st.text(max_size=12), st.integers(0, len(vocab) - 1)), min_size=1,
+                                     max_size=12)):
+        token_ids += tokenizer.encode(piece) if isinstance(piece, str) else [vocab[piece]]
+    if not token_ids:
+        token_ids = tokenizer.encode(TEXT)
+    chunks = data.draw(st.lists(st.integers(1, 3), min_size=len(token_ids), max_size=len(token_ids)))
+    deltas = stream(tokenizer, token_ids, chunks)
+    assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids)
+    if "\ufffd" not in tokenizer.decode(token_ids):
+        assert all(not d.text.endswith("\ufffd") for d in deltas)
+
+
+def test_spaces_survive_one_token_at_a_time_with_a_llama_style_tokenizer(llama_style_tokenizer):
+    text = " leading and  double spaces,\n a newline and emoji 🚢 between words "
+    token_ids = llama_style_tokenizer.encode(text)
+    deltas = stream(llama_style_tokenizer, token_ids, [1] * len(token_ids))
+    assert "".join(d.text for d in deltas) == llama_style_tokenizer.decode(token_ids) == text
+
+
+def test_each_step_decodes_only_a_few_trailing_tokens(any_tokenizer):
+    token_ids = any_tokenizer.encode(TEXT) * 20
+    windows = []
+
+    def decode(ids: list[int]) -> str:
+        windows.append(len(ids))
+        return any_tokenizer.decode(ids)
+
+    detok = IncrementalDetokenizer(decode)
+    text = "".join(detok.add([t], final=False).text for t in token_ids)
+    assert max(windows) <= 8
+    assert text + detok.add([], final=True).text == any_tokenizer.decode(token_ids)
+
+
 @pytest.mark.parametrize("stop", ["emoji", "中文", "🚢", "tion.", "ïc"])
-def test_stop_string_split_across_tokens_is_caught_and_never_streamed(tokenizer, stop):
+def test_stop_string_split_across_tokens_is_caught_and_never_streamed(any_tokenizer, stop):
+    tokenizer = any_tokenizer
     token_ids = tokenizer.encode(TEXT)
     deltas = stream(tokenizer, token_ids, [1] * len(token_ids), stops=[stop, "never there"])
     assert deltas[-1].stop_string == stop
