@@ -63,17 +63,46 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+class TorchLayerOps:
+    """A layer's elementwise work in torch ops, as transformers computes it: the reference, and the path on
+    CUDA. kernels.cpu_layers.CpuLayerOps fuses the same work on the CPU."""
+
+    def __init__(self, store_kv):
+        self.store_kv = store_kv   # the attention backend's
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x in place; returns RMSNorm(residual)."""
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def rotary_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """qkv [T, (H + 2 KV) * D] → rotated q [T, H, D]; rotated k and v stored at slots (-1: skipped)."""
+        head_dim = cos.shape[-1]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = apply_rotary(q.view(-1, num_heads, head_dim), cos.unsqueeze(1), sin.unsqueeze(1))
+        k = apply_rotary(k.view(-1, num_kv_heads, head_dim), cos.unsqueeze(1), sin.unsqueeze(1))
+        self.store_kv(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slots)
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class Attention(nn.Module):
@@ -87,26 +116,21 @@ class Attention(nn.Module):
         self.scale = shape.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                batch: "AttentionBatch") -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = batch.attend(q, k, v, kv[0], kv[1], self.scale)
+                batch: "AttentionBatch", ops) -> torch.Tensor:
+        q = ops.rotary_store_kv(self.qkv_proj(x), cos, sin, kv[0], kv[1], batch.slot_mapping, self.num_heads,
+                                self.num_kv_heads)
+        out = batch.attend(q, kv[0], kv[1], self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, shape: ModelShape):
         super().__init__()
-        self.intermediate_size = shape.intermediate_size
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -117,9 +141,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = MLP(shape)
 
-    def forward(self, x, cos, sin, kv, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, hidden, residual, cos, sin, kv, batch, next_norm: RMSNorm, ops) -> torch.Tensor:
+        """hidden: this layer's normalised input; residual: the residual stream, updated in place. Returns the
+        next layer's normalised input (next_norm applied), as vLLM fuses it: each add goes with the next norm."""
+        attn = self.self_attn(hidden, cos, sin, kv, batch, ops)
+        hidden = ops.add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                  self.post_attention_layernorm.eps)
+        return ops.add_rms_norm(self.mlp(hidden, ops), residual, next_norm.weight, next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -133,15 +161,20 @@ class LlamaForCausalLM(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_cos = self.rope_sin = None   # float32 tables [max_positions, head_dim], set by the loader
+        self.layer_ops = None                  # TorchLayerOps or kernels.cpu_layers.CpuLayerOps, set by the loader
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 batch: "AttentionBatch") -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)  # cast after lookup, as transformers does
-        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, batch)
-        return self.norm(x)
+        ops = self.layer_ops
+        residual = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].to(residual.dtype)  # cast after lookup, as transformers does
+        sin = self.rope_sin[positions].to(residual.dtype)
+        first_norm = self.layers[0].input_layernorm
+        hidden = ops.rms_norm(residual, first_norm.weight, first_norm.eps)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv, next_norm in zip(self.layers, kv_caches, next_norms):
+            hidden = layer(hidden, residual, cos, sin, kv, batch, next_norm, ops)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -155,8 +188,8 @@ class AttentionBatch:
     slot_mapping: torch.Tensor
     groups: list[tuple[slice, object]]   # (token rows, backend metadata)
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        self.backend.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+    def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """q [T, H, D]; every token's K and V are already in the pool."""
         if len(self.groups) == 1:
             return self.backend.attend(q, k_cache, v_cache, self.groups[0][1], scale)
         return torch.cat([self.backend.attend(q[rows], k_cache, v_cache, meta, scale) for rows, meta in self.groups])

@@ -9,11 +9,11 @@ from transformers import AutoConfig
 
 from gpu_worker import cpu_linear
 from gpu_worker.kv_pool import KVPool, kv_budget
-from gpu_worker.model import LlamaForCausalLM, ModelShape, rope_cos_sin
+from gpu_worker.model import LlamaForCausalLM, ModelShape, TorchLayerOps, rope_cos_sin
 from gpu_worker.model_files import resolve_model_dir
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.weights import load_weights
-from kernels import cpu_decode, select_backend
+from kernels import cpu_decode, cpu_layers, select_backend
 from protos import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class Worker:
         backend = select_backend(req.attention_backend or "auto", device.type)
         if device.type == "cpu":
             cpu_decode.extension()   # built (or found in the cache) now, not in the first step
+        # both backends share the pool layout, so the fused CPU ops may store K and V for either
+        model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
         self.runner = ModelRunner(model, pool, backend, device, seed=req.seed)
         log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, device, dtype,
                  pool.num_blocks, block_size)

@@ -5,33 +5,18 @@ available the torch path is used instead.
 """
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from functools import cache
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+from kernels import cpu_build
 
 
 @cache
 def extension():
     """The compiled module, or None (FERRY_CPU_KERNELS=0 turns it off)."""
-    if os.environ.get("FERRY_CPU_KERNELS", "1") == "0":
-        return None
-    # the build runs ninja, which pip installs beside this interpreter when the system has none
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    try:
-        from torch.utils.cpp_extension import load
-        return load(name="ferry_paged_decode_cpu", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
-        log.warning("C++ paged decode unavailable, using the torch path: %s", error)
-        return None
+    return cpu_build.build("ferry_paged_decode_cpu", "paged_decode_cpu.cpp", ["-ffast-math", "-fopenmp"])
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from ferry.sampling_params import SamplingParams
 from gpu_worker import cpu_linear
+from gpu_worker.model import TorchLayerOps
 from gpu_worker.worker import Worker
+from kernels import torch_paged
 from protos import worker_pb2
 
 BLOCK_SIZE = 4
@@ -48,10 +50,13 @@ def assert_top_logprobs_match(entry, expected: torch.Tensor) -> None:
     torch.testing.assert_close(top, ref_values, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("layer_ops", ["default", "torch"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_tied_dir"])
-def test_prefill_and_fragmented_decode_match_transformers(fixture, request):
+def test_prefill_and_fragmented_decode_match_transformers(fixture, layer_ops, request):
     model_dir = request.getfixturevalue(fixture)
     worker = make_worker(model_dir)
+    if layer_ops == "torch":   # what CUDA runs; the default on this CPU is the fused C++ ops where they build
+        worker.runner.model.layer_ops = TorchLayerOps(torch_paged.store_kv)
     prompt = [random.Random(1).randrange(3, 400) for _ in range(13)]
     blocks = shuffled_blocks(worker.runner.pool.num_blocks, 8, seed=2)
     result = worker.step(worker_pb2.StepRequest(new_seqs=[new_seq("a", prompt, blocks[:4], 0, len(prompt))]))

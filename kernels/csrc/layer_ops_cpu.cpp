@@ -1,0 +1,243 @@
+// A decoder layer's elementwise work on the CPU, fused: RMSNorm (with the residual add before it), rotary
+// embedding of q and k together with the store of k and v into the paged pool, and SiLU(gate) * up.
+//
+// In eager torch these are ~40 small operator calls per layer, each a pass over memory and a dispatch; at decode
+// batch sizes the calls cost more than the arithmetic. Each function here is one pass.
+//
+// Rounding is that of the eager ops they replace (gpu_worker/model.py's reference versions, which are those of
+// Hugging Face transformers): every eager bf16/fp16 op computes in fp32 and rounds its result, so the same
+// intermediate roundings are applied here, and floating-point contraction is off (built with -ffp-contract=off).
+// Only reduction order (the RMS sum) and libm's expf can differ from torch, by an ulp of fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// bf16 <-> fp32 with round-to-nearest-even, written as integer ops so that loops over them vectorise.
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return std::isnan(f) ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
+}
+
+// Element access per storage type: load widens to fp32, store narrows with rounding, round = store then load.
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  using Storage = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+  static float round(float x) { return x; }
+};
+
+template <>
+struct Elem<at::BFloat16> {
+  using Storage = uint16_t;
+  static float load(uint16_t x) { return bf16_to_float(x); }
+  static uint16_t store(float x) { return float_to_bf16(x); }
+  static float round(float x) { return bf16_to_float(float_to_bf16(x)); }
+};
+
+template <>
+struct Elem<at::Half> {
+  using Storage = at::Half;
+  static float load(at::Half x) { return static_cast<float>(x); }
+  static at::Half store(float x) { return static_cast<at::Half>(x); }
+  static float round(float x) { return static_cast<float>(static_cast<at::Half>(x)); }
+};
+
+template <typename T>
+using Storage = typename Elem<T>::Storage;
+
+template <typename T>
+Storage<T>* data(torch::Tensor& t) {
+  return reinterpret_cast<Storage<T>*>(t.data_ptr());
+}
+
+constexpr int64_t kRowGrain = 16;   // rows per thread task: tiny batches stay on one thread
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expected rows [T, N] with contiguous rows");
+}
+
+template <typename T>
+void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out, int64_t n, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Elem<T>::load(x[i]);
+    sum += v * v;
+  }
+  const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) {
+    // eager: weight * (x.float() * rsqrt(...)).to(dtype), the product rounded again
+    const float normed = Elem<T>::round(Elem<T>::load(x[i]) * inv_rms);
+    out[i] = Elem<T>::store(Elem<T>::load(weight[i]) * normed);
+  }
+}
+
+template <typename T>
+void add_row(Storage<T>* residual, const Storage<T>* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(x[i]));
+}
+
+template <typename T>
+void rms_norm_rows(torch::Tensor x, torch::Tensor weight, torch::Tensor out, torch::Tensor* residual, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      Storage<T>* row = data<T>(x) + r * x.stride(0);
+      if (residual != nullptr) {
+        Storage<T>* res = data<T>(*residual) + r * residual->stride(0);
+        add_row<T>(res, row, n);
+        row = res;
+      }
+      rms_norm_row<T>(row, data<T>(weight), data<T>(out) + r * out.stride(0), n, static_cast<float>(eps));
+    }
+  });
+}
+
+#define FERRY_DISPATCH(dtype, NAME, ...)                                                           \
+  switch (dtype) {                                                                                 \
+    case at::kFloat: { using scalar = float; __VA_ARGS__; break; }                               \
+    case at::kBFloat16: { using scalar = at::BFloat16; __VA_ARGS__; break; }                     \
+    case at::kHalf: { using scalar = at::Half; __VA_ARGS__; break; }                             \
+    default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);                              \
+  }
+
+// rotated[j] = x[j] * cos[j] + (j < half ? -x[j + half] : x[j - half]) * sin[j], each product and the sum rounded
+template <typename T>
+void rotate_head(const Storage<T>* x, const Storage<T>* cos, const Storage<T>* sin, Storage<T>* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < dim; ++j) {
+    const float partner = j < half ? -Elem<T>::load(x[j + half]) : Elem<T>::load(x[j - half]);
+    const float a = Elem<T>::round(Elem<T>::load(x[j]) * Elem<T>::load(cos[j]));
+    const float b = Elem<T>::round(partner * Elem<T>::load(sin[j]));
+    out[j] = Elem<T>::store(a + b);
+  }
+}
+
+template <typename T>
+void rotary_store_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor slots, torch::Tensor q_out, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t rows = qkv.size(0);
+  const int64_t k_offset = num_heads * head_dim, v_offset = k_offset + num_kv_heads * head_dim;
+  const int64_t kv_row = num_kv_heads * head_dim;   // one pool slot: every KV head of one token
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Storage<T>* row = data<T>(qkv) + r * qkv.stride(0);
+      const Storage<T>* c = data<T>(cos) + r * cos.stride(0);
+      const Storage<T>* s = data<T>(sin) + r * sin.stride(0);
+      Storage<T>* q = data<T>(q_out) + r * k_offset;
+      for (int64_t h = 0; h < num_heads; ++h) rotate_head<T>(row + h * head_dim, c, s, q + h * head_dim, head_dim);
+      if (slot[r] < 0) continue;   // already in a shared block
+      Storage<T>* k_dst = data<T>(k_cache) + slot[r] * kv_row;
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        rotate_head<T>(row + k_offset + h * head_dim, c, s, k_dst + h * head_dim, head_dim);
+      std::memcpy(data<T>(v_cache) + slot[r] * kv_row, row + v_offset, kv_row * sizeof(Storage<T>));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(torch::Tensor gate_up, torch::Tensor out) {
+  const int64_t rows = gate_up.size(0), n = out.size(1);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Storage<T>* gate = data<T>(gate_up) + r * gate_up.stride(0);
+      const Storage<T>* up = gate + n;
+      Storage<T>* dst = data<T>(out) + r * out.stride(0);
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = Elem<T>::load(gate[i]);
+        const float silu = Elem<T>::round(g / (1.f + std::exp(-g)));
+        dst[i] = Elem<T>::store(silu * Elem<T>::load(up[i]));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// RMSNorm of each row of x: returns weight * normalise(x), as a new tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be contiguous [N] in x's dtype");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  FERRY_DISPATCH(x.scalar_type(), "rms_norm", rms_norm_rows<scalar>(x, weight, out, nullptr, eps));
+  return out;
+}
+
+// residual += x (in place), then returns RMSNorm(residual): the residual stream's add fused with the next norm.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(residual, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: x and residual must match");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be contiguous [N] in x's dtype");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  FERRY_DISPATCH(x.scalar_type(), "add_rms_norm", rms_norm_rows<scalar>(x, weight, out, &residual, eps));
+  return out;
+}
+
+// qkv [T, (H + 2 KV) * D] → rotated q [T, H, D]; rotated k and v go to the pools at slots (slot < 0: skipped).
+torch::Tensor rotary_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                              torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rotary_store_kv");
+  check_rows(cos, "rotary_store_kv cos");
+  check_rows(sin, "rotary_store_kv sin");
+  const int64_t head_dim = cos.size(1);
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "rotary_store_kv: qkv width does not match the heads");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && sin.sizes() == cos.sizes(), "rotary_store_kv: one cos/sin row a token");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+                  k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "rotary_store_kv: qkv, cos, sin and the pools must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(-1) == head_dim &&
+                  k_cache.size(-2) == num_kv_heads && v_cache.sizes() == k_cache.sizes(),
+              "rotary_store_kv: pools must be contiguous [N, B, KV, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == qkv.size(0),
+              "rotary_store_kv: slots must be int64 [T]");
+  const int64_t pool_slots = k_cache.numel() / (num_kv_heads * head_dim);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < slots.numel(); ++r)
+    TORCH_CHECK(slot[r] < pool_slots, "rotary_store_kv: slot ", slot[r], " outside the pool");
+  auto q = torch::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
+  FERRY_DISPATCH(qkv.scalar_type(), "rotary_store_kv",
+                 rotary_store_rows<scalar>(qkv, cos, sin, k_cache, v_cache, slots, q, num_heads, num_kv_heads,
+                                           head_dim));
+  return q;
+}
+
+// gate_up [T, 2I] → SiLU(gate) * up [T, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even width");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  FERRY_DISPATCH(gate_up.scalar_type(), "silu_mul", silu_mul_rows<scalar>(gate_up, out));
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
+  m.def("rotary_store_kv", &rotary_store_kv, "rotary q and k from a fused qkv row; k and v stored in the pool");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+}

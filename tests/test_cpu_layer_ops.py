@@ -1,0 +1,75 @@
+"""The fused C++ layer ops on the CPU compute what the torch ops they replace compute."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.model import TorchLayerOps
+from kernels import cpu_layers, torch_paged
+
+pytestmark = pytest.mark.skipif(cpu_layers.extension() is None, reason="no C++ compiler for the CPU kernels")
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 9, 3, 64, 576, 1536
+
+
+@pytest.fixture
+def ops():
+    return cpu_layers.layer_ops(), TorchLayerOps(torch_paged.store_kv)
+
+
+def assert_matches(fused: torch.Tensor, reference: torch.Tensor) -> None:
+    """bf16: the same roundings, so equal but for an ulp where the RMS sums differ in order; fp32: equal to within
+    summation order."""
+    if fused.dtype == torch.bfloat16:
+        assert (fused == reference).float().mean() > 0.98
+        torch.testing.assert_close(fused, reference, atol=0, rtol=2 ** -6)   # two roundings: 2 ulps
+    else:
+        torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm_and_residual_add(ops, dtype, rows):
+    fused, reference = ops
+    torch.manual_seed(rows)
+    x = torch.randn(rows, HIDDEN, dtype=dtype) * 4
+    weight = (torch.rand(HIDDEN) + 0.5).to(dtype)
+    assert_matches(fused.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    residual = torch.randn(rows, HIDDEN, dtype=dtype)
+    residual_ref = residual.clone()
+    out = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, residual_ref + x)   # the residual stream is updated in place, rounded as eager
+    assert_matches(out, reference.add_rms_norm(x, residual_ref, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(ops, dtype):
+    fused, reference = ops
+    gate_up = torch.randn(23, 2 * INTERMEDIATE, dtype=dtype) * 5
+    assert_matches(fused.silu_mul(gate_up), reference.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_kv_store_are_bit_identical_and_skip_shared_slots(ops, dtype):
+    fused, reference = ops
+    torch.manual_seed(1)
+    rows = 29
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype)
+    cos, sin = torch.randn(rows, HEAD_DIM).to(dtype), torch.randn(rows, HEAD_DIM).to(dtype)
+    pools = [torch.zeros(12, 4, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(48)[:rows]
+    slots[[0, 5]] = -1                 # tokens already in a shared block: not stored
+    q = fused.rotary_store_kv(qkv, cos, sin, pools[0], pools[1], slots, HEADS, KV_HEADS)
+    q_ref = reference.rotary_store_kv(qkv, cos, sin, pools[2], pools[3], slots, HEADS, KV_HEADS)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    written = pools[0].view(-1, KV_HEADS, HEAD_DIM).abs().sum((1, 2)) != 0
+    assert int(written.sum()) == rows - 2
+
+
+def test_a_slot_outside_the_pool_is_an_error_not_a_write(ops):
+    fused, _ = ops
+    qkv = torch.randn(2, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    cos = sin = torch.ones(2, HEAD_DIM)
+    pool = torch.zeros(2, 4, KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fused.rotary_store_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([0, 8]), HEADS, KV_HEADS)
