@@ -55,7 +55,8 @@ def any_tokenizer(request, tokenizer, llama_style_tokenizer) -> RouterTokenizer:
 
 
 def whole_tokens(tokenizer: RouterTokenizer) -> list[int]:
-    """Ids of tokens that are not single bytes: any sequence of them decodes the same in every window."""
+    """Ids of all tokens but the single bytes: a stray byte token can turn text already decoded (and streamed)
+    into U+FFFD, which no streaming detokenizer can take back."""
     return [i for piece, i in tokenizer.tokenizer.get_vocab().items() if not piece.startswith("<0x")]
 
 
