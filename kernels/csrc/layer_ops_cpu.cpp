@@ -7,13 +7,22 @@
 // Rounding is that of the eager ops they replace (gpu_worker/model.py's reference versions, which are those of
 // Hugging Face transformers): every eager bf16/fp16 op computes in fp32 and rounds its result, so the same
 // intermediate roundings are applied here, and floating-point contraction is off (built with -ffp-contract=off).
-// Only reduction order (the RMS sum) and libm's expf can differ from torch, by an ulp of fp32.
+// Only reduction order (the RMS sum) and the exponential (SiLU's, vectorised here) can differ from torch, by about
+// an ulp of fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FERRY_AVX512 1
+#include <immintrin.h>
+#else
+#define FERRY_AVX512 0
+#endif
 
 namespace {
 
@@ -156,18 +165,76 @@ void rotary_store_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 }
 
 template <typename T>
+inline float silu_mul_scalar(float gate, float up) {
+  const float silu = Elem<T>::round(gate / (1.f + std::exp(-gate)));
+  return silu * up;
+}
+
+#if FERRY_AVX512
+// e^x to about 1 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-5 polynomial); overflows to inf and
+// underflows to 0 as expf does.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// fp32 → bf16 bits (round to nearest even, NaN kept a NaN) in the low half of each 32-bit lane
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+inline __m512 round16(__m512 x, float) { return x; }
+inline __m512 round16(__m512 x, uint16_t) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+#endif
+
+template <typename T>
+void silu_mul_row(const Storage<T>* gate, const Storage<T>* up, Storage<T>* dst, int64_t n) {
+  int64_t i = 0;
+#if FERRY_AVX512
+  if constexpr (!std::is_same_v<T, at::Half>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m512 g = load16(gate + i);
+      const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+      const __m512 silu = round16(_mm512_div_ps(g, denominator), Storage<T>{});
+      store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) dst[i] = Elem<T>::store(silu_mul_scalar<T>(Elem<T>::load(gate[i]), Elem<T>::load(up[i])));
+}
+
+template <typename T>
 void silu_mul_rows(torch::Tensor gate_up, torch::Tensor out) {
   const int64_t rows = gate_up.size(0), n = out.size(1);
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const Storage<T>* gate = data<T>(gate_up) + r * gate_up.stride(0);
-      const Storage<T>* up = gate + n;
-      Storage<T>* dst = data<T>(out) + r * out.stride(0);
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = Elem<T>::load(gate[i]);
-        const float silu = Elem<T>::round(g / (1.f + std::exp(-g)));
-        dst[i] = Elem<T>::store(silu * Elem<T>::load(up[i]));
-      }
+      silu_mul_row<T>(gate, gate + n, data<T>(out) + r * out.stride(0), n);
     }
   });
 }
