@@ -113,13 +113,13 @@ def main(argv=None) -> int:
         return 1
     impls["new"] = lambda q, k, v, t, c: new.paged_decode(q, k, v, t, c, scale)
     if not args.no_hugepages:
-        # the production wrapper advises every pool it sees; here only copies, to compare on the same data
+        # copies of the pools, advised before they are first touched (as gpu_worker/kv_pool.py allocates them)
         huge_layers = {}
         for k, v, t in layers:
-            k2, v2 = k.clone(), v.clone()
+            k2, v2 = torch.empty_like(k), torch.empty_like(v)
             cpu_decode.advise_huge_pages(k2)
             cpu_decode.advise_huge_pages(v2)
-            huge_layers[k.data_ptr()] = (k2, v2)
+            huge_layers[k.data_ptr()] = (k2.copy_(k), v2.copy_(v))
         impls["new+huge"] = lambda q, k, v, t, c: new.paged_decode(q, *huge_layers[k.data_ptr()], t, c, scale)
     if not args.no_baseline:
         base = build_baseline(args.baseline_rev)

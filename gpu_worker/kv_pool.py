@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.model import ModelShape
+from kernels import cpu_decode
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 CUDA_MEMORY_FRACTION = 0.9
@@ -30,8 +31,11 @@ class KVPool:
         self.num_blocks = budget_bytes // block_bytes(shape, block_size, dtype)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory of {budget_bytes} bytes holds no block of {block_size} tokens")
-        self.tensor = torch.zeros(shape.num_layers, 2, self.num_blocks, block_size, shape.num_kv_heads,
+        self.tensor = torch.empty(shape.num_layers, 2, self.num_blocks, block_size, shape.num_kv_heads,
                                   shape.head_dim, dtype=dtype, device=device)
+        if device.type == "cpu":
+            cpu_decode.advise_huge_pages(self.tensor)   # before the first touch, or the pages stay small
+        self.tensor.zero_()
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(shape.num_layers)]
 
     def copy_block(self, src: int, dst: int) -> None:

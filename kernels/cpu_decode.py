@@ -26,24 +26,16 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     module = extension()
     if module is None:
         return None
-    advise_huge_pages(k_cache)
-    advise_huge_pages(v_cache)
     return module.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, portable)
 
 
-_advised: set[tuple[int, int]] = set()
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Once per storage: ask the OS to back the KV pool with 2 MiB pages (FERRY_CPU_HUGEPAGES=0 turns it off).
-
-    The decode reads blocks scattered over the pool; with 4 KiB pages most block reads miss the TLB. A no-op
-    where the OS does not support it (the contents are untouched either way)."""
-    storage = tensor.untyped_storage()
-    key = (storage.data_ptr(), storage.nbytes())
-    if key in _advised:
-        return
-    _advised.add(key)
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask the OS to back tensor's memory with 2 MiB pages; call it before the memory is first touched (pages
+    already there stay small). FERRY_CPU_HUGEPAGES=0 turns it off. The decode reads KV blocks scattered over the
+    pool; with 4 KiB pages most block reads miss the TLB, and page walks are dear in a VM. Returns whether the
+    advice was taken; the contents are untouched either way."""
     module = extension()
-    if module is not None and os.environ.get("FERRY_CPU_HUGEPAGES", "1") != "0" and key[1] >= 4 << 20:
-        module.advise_huge_pages(*key)
+    storage = tensor.untyped_storage()
+    if module is None or os.environ.get("FERRY_CPU_HUGEPAGES", "1") == "0" or storage.nbytes() < 4 << 20:
+        return False
+    return module.advise_huge_pages(storage.data_ptr(), storage.nbytes()) > 0

@@ -4,7 +4,7 @@
 // kPartitionTokens tokens, and one work item is one (sequence, partition), all of its KV heads. An item walks its
 // blocks in order; for each block and KV head it scores the block's tokens for the G query heads sharing that KV
 // head, updates a running (max, sum, weighted values) softmax state, and reads the block's values while the
-// block is hot in the cache, prefetching the block two ahead meanwhile (the blocks of a sequence are scattered
+// block is hot in the cache, prefetching the next block meanwhile (the blocks of a sequence are scattered
 // over the pool, which defeats the hardware prefetchers at block boundaries). Sequences cut into several partitions are
 // merged at the end (log-sum-exp). Items are handed out dynamically to the threads, longest first.
 //
@@ -39,7 +39,9 @@ namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kPartitionTokens = 512;
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead the next blocks are prefetched
+// How far ahead the next blocks are prefetched. Measured on a Zen 5 VM (batch 64 and 32, contexts 66-600): one
+// block ahead reads 5-10% faster than two, and each further block is slower again (prefetches crowd out loads).
+constexpr int64_t kPrefetchBlocks = 1;
 constexpr int64_t kGroupTokens = 16;     // tokens scored together (one AVX-512 vector of scores)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;        // "minus infinity" that stays finite under -ffast-math
