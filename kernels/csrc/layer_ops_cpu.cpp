@@ -84,15 +84,79 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expected rows [T, N] with contiguous rows");
 }
 
+#if FERRY_AVX512
+// e^x to about 1 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-5 polynomial); overflows to inf and
+// underflows to 0 as expf does.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// fp32 → bf16 bits (round to nearest even, NaN kept a NaN) in the low half of each 32-bit lane
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+
+inline __m512 round16(__m512 x, float) { return x; }
+inline __m512 round16(__m512 x, uint16_t) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+#endif
+
 template <typename T>
 void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out, int64_t n, float eps) {
   float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if FERRY_AVX512
+  constexpr bool vectorised = !std::is_same_v<T, at::Half>;
+  if constexpr (vectorised) {
+    __m512 squares = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = load16(x + i);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    sum = _mm512_reduce_add_ps(squares);
+  }
+#endif
+  for (; i < n; ++i) {
     const float v = Elem<T>::load(x[i]);
     sum += v * v;
   }
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) {
+  i = 0;
+#if FERRY_AVX512
+  if constexpr (vectorised) {
+    const __m512 scale = _mm512_set1_ps(inv_rms);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 normed = round16(_mm512_mul_ps(load16(x + i), scale), Storage<T>{});
+      store16(out + i, _mm512_mul_ps(load16(weight + i), normed));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     // eager: weight * (x.float() * rsqrt(...)).to(dtype), the product rounded again
     const float normed = Elem<T>::round(Elem<T>::load(x[i]) * inv_rms);
     out[i] = Elem<T>::store(Elem<T>::load(weight[i]) * normed);
@@ -101,7 +165,13 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
 
 template <typename T>
 void add_row(Storage<T>* residual, const Storage<T>* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(x[i]));
+  int64_t i = 0;
+#if FERRY_AVX512
+  if constexpr (!std::is_same_v<T, at::Half>) {
+    for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
+  }
+#endif
+  for (; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(x[i]));
 }
 
 template <typename T>
@@ -170,47 +240,6 @@ inline float silu_mul_scalar(float gate, float up) {
   return silu * up;
 }
 
-#if FERRY_AVX512
-// e^x to about 1 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-5 polynomial); overflows to inf and
-// underflows to 0 as expf does.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// fp32 → bf16 bits (round to nearest even, NaN kept a NaN) in the low half of each 32-bit lane
-inline __m512i bf16_bits(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-}
-
-inline __m512 round16(__m512 x, float) { return x; }
-inline __m512 round16(__m512 x, uint16_t) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
-
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(uint16_t* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
-}
-#endif
 
 template <typename T>
 void silu_mul_row(const Storage<T>* gate, const Storage<T>* up, Storage<T>* dst, int64_t n) {
