@@ -50,11 +50,16 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
                              prefill_chunks(block_tables, context_lens.tolist(), query_lens.tolist(), block_size))
     max_context = int(context_lens.max())
     positions = torch.arange(max_context, device=device)
-    blocks = block_tables.long().gather(1, (positions // block_size).expand(num_seqs, -1))
-    kv_slots = blocks * block_size + positions % block_size
+    kv_slots = context_slots(block_tables, positions, block_size)
     key_valid = positions.unsqueeze(0) < context_lens.unsqueeze(1).long()                  # [S, C]
     needs_mask = bool((context_lens != max_context).any())
     return PagedMetadata(num_seqs, 1, kv_slots, key_valid.view(num_seqs, 1, 1, -1) if needs_mask else None)
+
+
+def context_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[S, len(positions)] flat pool slot of each position of each sequence, through its block table."""
+    blocks = block_tables.long().gather(1, (positions // block_size).expand(block_tables.shape[0], -1))
+    return blocks * block_size + positions % block_size
 
 
 def query_rows_as_decodes(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor
@@ -75,7 +80,7 @@ def prefill_chunks(block_tables: torch.Tensor, context_lens: list[int], query_le
     chunks, row = [], 0
     for seq, (context, query) in enumerate(zip(context_lens, query_lens)):
         positions = torch.arange(context, device=device)
-        slots = block_tables[seq].long()[positions // block_size] * block_size + positions % block_size
+        slots = context_slots(block_tables[seq:seq + 1], positions, block_size)[0]
         query_positions = torch.arange(context - query, context, device=device)
         chunks.append(PrefillChunk(slice(row, row + query), slots, positions.unsqueeze(0) > query_positions.unsqueeze(1)))
         row += query

@@ -84,6 +84,10 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expected rows [T, N] with contiguous rows");
 }
 
+// Under AVX-512, fp32 and bf16 rows take the vector loops; fp16 rows the scalar ones
+template <typename T>
+constexpr bool kVectorised = !std::is_same_v<T, at::Half>;
+
 #if FERRY_AVX512
 // e^x to about 1 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-5 polynomial); overflows to inf and
 // underflows to 0 as expf does.
@@ -131,8 +135,7 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
   float sum = 0.f;
   int64_t i = 0;
 #if FERRY_AVX512
-  constexpr bool vectorised = !std::is_same_v<T, at::Half>;
-  if constexpr (vectorised) {
+  if constexpr (kVectorised<T>) {
     __m512 squares = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16) {
       const __m512 v = load16(x + i);
@@ -148,7 +151,7 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   i = 0;
 #if FERRY_AVX512
-  if constexpr (vectorised) {
+  if constexpr (kVectorised<T>) {
     const __m512 scale = _mm512_set1_ps(inv_rms);
     for (; i + 16 <= n; i += 16) {
       const __m512 normed = round16(_mm512_mul_ps(load16(x + i), scale), Storage<T>{});
@@ -167,7 +170,7 @@ template <typename T>
 void add_row(Storage<T>* residual, const Storage<T>* x, int64_t n) {
   int64_t i = 0;
 #if FERRY_AVX512
-  if constexpr (!std::is_same_v<T, at::Half>) {
+  if constexpr (kVectorised<T>) {
     for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
   }
 #endif
@@ -245,7 +248,7 @@ template <typename T>
 void silu_mul_row(const Storage<T>* gate, const Storage<T>* up, Storage<T>* dst, int64_t n) {
   int64_t i = 0;
 #if FERRY_AVX512
-  if constexpr (!std::is_same_v<T, at::Half>) {
+  if constexpr (kVectorised<T>) {
     for (; i + 16 <= n; i += 16) {
       const __m512 g = load16(gate + i);
       const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)));
