@@ -2,6 +2,8 @@
 
 Each iteration: schedule → worker.Step (its own process, over a unix socket) → update → every RequestOutput goes
 to its request's stream at once. A stream that goes away aborts its request before the next schedule().
+Two ways in: Generate, one server stream per request; and Connect, one bidirectional stream per router that
+carries many requests and sends each step's outputs for all of them as one message (gRPC's cost is per message).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -98,10 +101,22 @@ class WorkerProcess:
 ABORTED = None   # queued on a stream whose request was aborted through Scheduler.Abort
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestStream:
+    """Where the loop hands one request's outputs: a queue of (stream, RequestOutput | ABORTED | Exception), the
+    request's own (Generate) or one shared by every request of a Connect stream."""
+    request_id: str
     num_samples: int
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)   # RequestOutput | Exception
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: set[int] = field(default_factory=set)   # sample indexes whose last response was made
+    sent_first: bool = False
+
+    def put(self, item: RequestOutput | Exception | None) -> None:
+        self.outputs.put_nowait((self, item))
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.num_samples
 
 
 class EngineLoop:
@@ -127,7 +142,7 @@ class EngineLoop:
                          list(info.eos_token_ids), info.model_name)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    trace_parent: Context | None = None) -> RequestStream:
+                    trace_parent: Context | None = None, outputs: asyncio.Queue | None = None) -> RequestStream:
         if self.draining:
             raise Draining("the scheduler is shutting down")
         if self.failure:
@@ -137,14 +152,15 @@ class EngineLoop:
         self.limits.check(self.scheduler, len(prompt_token_ids))
         self.scheduler.add_request(request_id, prompt_token_ids, params)
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
-        stream = self.streams[request_id] = RequestStream(params.n)
+        stream = RequestStream(request_id, params.n, outputs if outputs is not None else asyncio.Queue())
+        self.streams[request_id] = stream
         self.wakeup.set()
         return stream
 
     def abort(self, request_id: str) -> bool:
         stream = self.streams.pop(request_id, None)
         if stream is not None:
-            stream.outputs.put_nowait(ABORTED)
+            stream.put(ABORTED)
         self.telemetry.on_abort(request_id)
         return self.scheduler.abort_request(request_id)
 
@@ -211,7 +227,7 @@ class EngineLoop:
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is not None:
-                stream.outputs.put_nowait(out)
+                stream.put(out)
 
     def forget_cached_blocks(self) -> None:
         """The old pool's blocks are gone: withdraw them from the prefix index (after its pending events)."""
@@ -225,7 +241,7 @@ class EngineLoop:
 
     def fail_streams(self, reason: str) -> None:
         for request_id, stream in list(self.streams.items()):
-            stream.outputs.put_nowait(WorkerFailed(reason))
+            stream.put(WorkerFailed(reason))
             self.telemetry.on_abort(request_id)
             self.scheduler.abort_request(request_id)
         self.streams.clear()
@@ -246,6 +262,118 @@ def to_response(out: RequestOutput, first: bool) -> scheduler_pb2.ScheduleRespon
     return response
 
 
+def responses_for(stream: RequestStream, item: RequestOutput | None) -> list[scheduler_pb2.ScheduleResponse]:
+    """What an output (or ABORTED) of the stream's request becomes on the wire; marks the samples it ends."""
+    if item is ABORTED:
+        unfinished = sorted(set(range(stream.num_samples)) - stream.finished)
+        stream.finished.update(unfinished)
+        return [scheduler_pb2.ScheduleResponse(index=index, finish_reason=FINISH_REASONS["abort"])
+                for index in unfinished]
+    response = to_response(item, not stream.sent_first)
+    stream.sent_first = True
+    if item.finish_reason is not None:
+        stream.finished.add(item.index)
+    return [response]
+
+
+class Refused(Exception):
+    """A request the scheduler did not take (or could not finish), with the gRPC status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequest, trace_parent: Context | None,
+          outputs: asyncio.Queue | None = None) -> RequestStream:
+    try:
+        params = SamplingParams.from_proto(request.sampling)
+        return loop.add_request(request_id, list(request.prompt_token_ids), params, trace_parent, outputs)
+    except ValueError as e:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+    except QueueFull as e:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+    except (WorkerFailed, Draining) as e:
+        raise Refused(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+
+
+CLIENT_DONE = object()   # queued on a connection when its client sent its last message
+
+
+class Connection:
+    """The requests of one Connect stream. Their outputs share one queue, so everything the loop delivered in a
+    step (and whatever piled up while the last message was being written) goes out as one ConnectResponse."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.live: dict[str, RequestStream] = {}
+        self.client_done = False
+
+    async def read(self, messages: AsyncIterator[scheduler_pb2.ConnectRequest]) -> None:
+        try:
+            async for message in messages:
+                if message.HasField("submit"):
+                    self.submit(message.submit)
+                elif message.HasField("abort"):
+                    self.abort(message.abort.request_id)
+        finally:
+            self.outputs.put_nowait((None, CLIENT_DONE))
+
+    def submit(self, submit: scheduler_pb2.SubmitRequest) -> None:
+        request_id = submit.request.request_id
+        try:
+            if not request_id:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a request on a Connect stream needs a request_id")
+            if request_id in self.live:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {request_id!r} is already in use")
+            trace_parent = extract_metadata(submit.trace_context.items())
+            self.live[request_id] = admit(self.loop, request_id, submit.request, trace_parent, self.outputs)
+        except Refused as e:
+            RequestStream(request_id, 0, self.outputs).put(e)   # a stream of its own: never live here
+
+    def abort(self, request_id: str) -> None:
+        if self.live.pop(request_id, None) is not None:
+            self.loop.abort(request_id)
+
+    def close(self) -> None:
+        """The stream is gone: nobody reads what its requests would produce."""
+        for request_id in list(self.live):
+            self.abort(request_id)
+
+    @property
+    def ended(self) -> bool:
+        return self.client_done and not self.live
+
+    async def next_message(self) -> scheduler_pb2.ConnectResponse:
+        message = scheduler_pb2.ConnectResponse()
+        self.add_events(message, *await self.outputs.get())
+        while not self.outputs.empty():
+            self.add_events(message, *self.outputs.get_nowait())
+        return message
+
+    def add_events(self, message: scheduler_pb2.ConnectResponse, stream: RequestStream | None, item) -> None:
+        if item is CLIENT_DONE:
+            self.client_done = True
+        elif isinstance(item, Exception):
+            code, reason = ((item.code, item.message) if isinstance(item, Refused)
+                            else (grpc.StatusCode.UNAVAILABLE, str(item)))
+            message.events.add(request_id=stream.request_id,
+                               error=scheduler_pb2.RequestFailure(code=code.value[0], message=reason))
+            self.forget(stream)
+        elif self.live.get(stream.request_id) is stream:   # else aborted by this client: nothing more goes out
+            for response in responses_for(stream, item):
+                message.events.add(request_id=stream.request_id, output=response)
+            if stream.done:
+                self.forget(stream)
+
+    def forget(self, stream: RequestStream) -> None:
+        if self.live.get(stream.request_id) is stream:
+            del self.live[stream.request_id]
+            self.loop.streams.pop(stream.request_id, None)
+
+
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop, scheduler_id: str):
         self.loop = loop
@@ -254,34 +382,33 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Generate(self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            params = SamplingParams.from_proto(request.sampling)
-            stream = self.loop.add_request(request_id, list(request.prompt_token_ids), params,
-                                           extract_metadata(context.invocation_metadata()))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (WorkerFailed, Draining) as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        finished: set[int] = set()
-        first = True
+            stream = admit(self.loop, request_id, request, extract_metadata(context.invocation_metadata()))
+        except Refused as e:
+            await context.abort(e.code, e.message)
         try:
-            while len(finished) < stream.num_samples:
-                out = await stream.outputs.get()
-                if isinstance(out, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(out))
-                if out is ABORTED:
-                    for index in sorted(set(range(stream.num_samples)) - finished):
-                        yield scheduler_pb2.ScheduleResponse(index=index, finish_reason=FINISH_REASONS["abort"])
-                    return
-                yield to_response(out, first)
-                first = False
-                if out.finish_reason is not None:
-                    finished.add(out.index)
+            while not stream.done:
+                _, item = await stream.outputs.get()
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                for response in responses_for(stream, item):
+                    yield response
         finally:
-            if len(finished) < stream.num_samples:   # the caller went away (or a stop string matched upstream)
+            if not stream.done:   # the caller went away (or a stop string matched upstream)
                 self.loop.abort(request_id)
             self.loop.streams.pop(request_id, None)
+
+    async def Connect(self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
+                      context: grpc.aio.ServicerContext):
+        connection = Connection(self.loop)
+        reader = asyncio.create_task(connection.read(request_iterator))
+        try:
+            while not connection.ended:
+                message = await connection.next_message()
+                if message.events:
+                    yield message
+        finally:
+            reader.cancel()
+            connection.close()
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:
         return scheduler_pb2.AbortResponse(found=self.loop.abort(request.request_id))

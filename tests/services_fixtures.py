@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +137,55 @@ def greedy(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:
 def collect(responses) -> tuple[list[int], str, list[router_pb2.GenerateResponse]]:
     messages = list(responses)
     return ([t for m in messages for t in m.token_ids], "".join(m.text for m in messages), messages)
+
+
+class ConnectStream:
+    """A Scheduler.Connect stream driven by hand: submit and abort at any time, read what comes back, message by
+    message, into per-request tokens, finished samples and errors."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, timeout: float = 60):
+        self.outgoing: queue.Queue = queue.Queue()
+        self.call = stub.Connect(iter(self.outgoing.get, None), timeout=timeout)
+        self.messages: list[scheduler_pb2.ConnectResponse] = []
+        self.outputs: dict[str, list[scheduler_pb2.ScheduleResponse]] = defaultdict(list)
+        self.finished: dict[str, set[int]] = defaultdict(set)
+        self.errors: dict[str, scheduler_pb2.RequestFailure] = {}
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams) -> None:
+        request = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                                sampling=sampling)
+        self.outgoing.put(scheduler_pb2.ConnectRequest(submit=scheduler_pb2.SubmitRequest(request=request)))
+
+    def abort(self, request_id: str) -> None:
+        self.outgoing.put(scheduler_pb2.ConnectRequest(abort=scheduler_pb2.AbortRequest(request_id=request_id)))
+
+    def done_sending(self) -> None:
+        self.outgoing.put(None)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self.done_sending()   # lets the thread that sends the requests go
+
+    def read_until(self, predicate) -> None:
+        while not predicate():
+            self.record(next(self.call))
+
+    def read_to_the_end(self) -> None:
+        for message in self.call:
+            self.record(message)
+
+    def record(self, message: scheduler_pb2.ConnectResponse) -> None:
+        self.messages.append(message)
+        for event in message.events:
+            if event.HasField("error"):
+                self.errors[event.request_id] = event.error
+                continue
+            self.outputs[event.request_id].append(event.output)
+            if event.output.finish_reason:
+                self.finished[event.request_id].add(event.output.index)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for output in self.outputs[request_id] for t in output.token_ids]
+
+    def done(self, request_id: str, num_samples: int = 1) -> bool:
+        return len(self.finished[request_id]) == num_samples or request_id in self.errors
