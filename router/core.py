@@ -15,13 +15,14 @@ import grpc
 from opentelemetry.context import Context
 
 from ferry.sampling_params import SamplingParams
-from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.tokenizer import RouterTokenizer, load_tokenizer
+from router.upstream import SchedulerConnection, UpstreamError
 from scheduler.registry import SchedulerInfo
 
 
@@ -87,6 +88,7 @@ class Router:
     telemetry: RouterTelemetry = field(default_factory=RouterTelemetry)
     max_concurrent_requests: int = 4096
     in_flight: int = 0
+    connections: dict[str, SchedulerConnection] = field(default_factory=dict)   # by scheduler address
 
     async def generate(self, request: router_pb2.GenerateRequest,
                        trace_parent: Context | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
@@ -130,6 +132,11 @@ class Router:
         async for response in self.proxy(ranked, upstream, state, observed):
             yield response
 
+    def connection(self, address: str) -> SchedulerConnection:
+        if address not in self.connections:
+            self.connections[address] = SchedulerConnection(self.directory.channel(address))
+        return self.connections[address]
+
     def candidates(self, model: str) -> list[SchedulerInfo]:
         schedulers = self.directory.schedulers()
         if not schedulers:
@@ -152,10 +159,9 @@ class Router:
             started = False
             self.pending[target.scheduler_id] += 1
             observed.attempt(target)
-            call = scheduler_pb2_grpc.SchedulerStub(self.directory.channel(target.address)).Generate(
-                upstream, metadata=observed.metadata)
+            request = self.connection(target.address).submit(upstream, dict(observed.metadata))
             try:
-                async for message in call:
+                async for message in request:
                     response = state.on_response(message)
                     if response is not None:
                         started = True
@@ -163,15 +169,15 @@ class Router:
                     if state.done:
                         return
                 return
-            except grpc.aio.AioRpcError as e:
-                if started or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    raise RequestError(e.code(), e.details() or e.code().name) from e
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            except UpstreamError as e:
+                if started or e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                    raise RequestError(e.code, e.message or e.code.name) from e
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full += 1
                 else:
                     self.directory.forget(target.scheduler_id)
             finally:
-                call.cancel()   # client gone, stop string matched, or done: the scheduler aborts what remains
+                request.close()   # client gone, stop string matched, or done: the scheduler aborts what remains
                 self.pending[target.scheduler_id] -= 1
         if full:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

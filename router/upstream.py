@@ -1,0 +1,123 @@
+"""The router's side of Scheduler.Connect: one long-lived stream per scheduler carries every request the router
+sends there. Submits and aborts go up; each message coming down holds one engine step's outputs for many
+requests, which a reader task hands to each request's own queue. A broken stream fails the requests on it
+(UNAVAILABLE) and the next submit opens a fresh one.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+CLOSE = None   # ends a stream's outgoing messages
+
+
+class UpstreamError(Exception):
+    """How a request ended on the scheduler's side, as a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class UpstreamRequest:
+    """One request on a SchedulerConnection: iterate it for the scheduler's ScheduleResponses; close it when done
+    with it (an unfinished request is then aborted upstream)."""
+
+    def __init__(self, connection: SchedulerConnection, request_id: str, num_samples: int):
+        self.connection = connection
+        self.request_id = request_id
+        self.num_samples = num_samples
+        self.events: asyncio.Queue = asyncio.Queue()   # RequestEvent | UpstreamError
+        self.finished: set[int] = set()
+        self.failed = False
+
+    @property
+    def ended(self) -> bool:
+        return self.failed or len(self.finished) == self.num_samples
+
+    def fail(self, error: UpstreamError) -> None:
+        self.events.put_nowait(error)
+
+    async def __aiter__(self) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
+        while not self.ended:
+            event = await self.events.get()
+            if isinstance(event, UpstreamError):
+                self.failed = True
+                raise event
+            if event.HasField("error"):
+                self.failed = True
+                raise UpstreamError(STATUS_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN), event.error.message)
+            if event.output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self.finished.add(event.output.index)
+            yield event.output
+
+    def close(self) -> None:
+        self.connection.release(self)
+
+
+class SchedulerConnection:
+    """The router's Connect stream to one scheduler, opened on the first submit."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.outgoing: asyncio.Queue | None = None   # None: no stream open
+        self.requests: dict[str, UpstreamRequest] = {}
+        self.reader: asyncio.Task | None = None
+
+    def submit(self, request: scheduler_pb2.ScheduleRequest, trace_context: dict[str, str]) -> UpstreamRequest:
+        upstream = UpstreamRequest(self, request.request_id, request.sampling.n or 1)
+        if request.request_id in self.requests:   # its events could not be told apart
+            upstream.fail(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"request_id {request.request_id!r} is already in use"))
+            return upstream
+        if self.outgoing is None:
+            self.open()
+        self.requests[request.request_id] = upstream
+        submit = scheduler_pb2.SubmitRequest(request=request, trace_context=trace_context)
+        self.outgoing.put_nowait(scheduler_pb2.ConnectRequest(submit=submit))
+        return upstream
+
+    def release(self, upstream: UpstreamRequest) -> None:
+        if self.requests.get(upstream.request_id) is not upstream:
+            return
+        del self.requests[upstream.request_id]
+        if not upstream.ended:   # client gone, stop string matched: the scheduler frees its blocks
+            abort = scheduler_pb2.AbortRequest(request_id=upstream.request_id)
+            self.outgoing.put_nowait(scheduler_pb2.ConnectRequest(abort=abort))
+
+    def open(self) -> None:
+        self.outgoing = asyncio.Queue()
+        call = self.stub.Connect(outgoing_messages(self.outgoing))
+        self.reader = asyncio.create_task(self.read(call))
+
+    async def read(self, call: grpc.aio.StreamStreamCall) -> None:
+        reason = "the scheduler closed the stream"
+        try:
+            async for message in call:
+                for event in message.events:
+                    upstream = self.requests.get(event.request_id)
+                    if upstream is not None:
+                        upstream.events.put_nowait(event)
+        except grpc.aio.AioRpcError as e:
+            reason = f"lost the stream to the scheduler: {e.code().name}: {e.details()}"
+        finally:
+            self.disconnect(reason)
+
+    def disconnect(self, reason: str) -> None:
+        """Fail every request on the stream; the next submit opens a new one."""
+        self.outgoing.put_nowait(CLOSE)
+        self.outgoing = None
+        failed, self.requests = self.requests, {}
+        for upstream in failed.values():
+            upstream.fail(UpstreamError(grpc.StatusCode.UNAVAILABLE, reason))
+
+
+async def outgoing_messages(queue: asyncio.Queue) -> AsyncIterator[scheduler_pb2.ConnectRequest]:
+    while (message := await queue.get()) is not CLOSE:
+        yield message
