@@ -322,6 +322,25 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
     wait_until(lambda: not indexed_blocks(redis, "sched-1"), "the dead pool's blocks withdrawn from the index")
 
 
+def test_worker_crash_fails_the_requests_of_a_connect_stream_which_serves_again_after_the_restart(services):
+    address, scheduler = services.scheduler_addresses[1], services.schedulers[1]
+    stream = ConnectStream(scheduler_pb2_grpc.SchedulerStub(services.channel(address)))
+    stream.submit("cut-off", [5, 6, 7], greedy(600, ignore_eos=True))
+    stream.read_until(lambda: stream.outputs["cut-off"])
+    os.kill(worker_pid(scheduler.pid), signal.SIGKILL)
+    stream.read_until(lambda: stream.done("cut-off"))
+    assert stream.errors["cut-off"].code == grpc.StatusCode.UNAVAILABLE.value[0]
+    for attempt in range(600):        # refused (UNAVAILABLE) until the new worker is up
+        stream.submit(f"after-{attempt}", [5, 6, 7], greedy(3))
+        stream.read_until(lambda: stream.done(f"after-{attempt}"))
+        if f"after-{attempt}" not in stream.errors:
+            break
+        assert stream.errors[f"after-{attempt}"].code == grpc.StatusCode.UNAVAILABLE.value[0]
+        time.sleep(0.1)
+    assert len(stream.tokens(f"after-{attempt}")) == 3
+    stream.cancel()
+
+
 def test_requests_are_served_while_redis_is_down_and_schedulers_register_again(services, engine):
     expected = engine_greedy(engine, PROMPTS[12:16], 8)
 
