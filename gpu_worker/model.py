@@ -177,7 +177,8 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype (the sampler widens them only where it needs to)."""
+        return self.lm_head(hidden)
 
 
 @dataclass

@@ -20,7 +20,11 @@ class SampleRow:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator
            ) -> tuple[list[int], list[common_pb2.TokenLogprob | None]]:
-    """logits [R, V] float32, one row per sequence → one token id per row (+ logprobs where asked)."""
+    """logits [R, V] in the model's dtype, one row per sequence → one token id per row (+ logprobs where asked).
+    Plain greedy rows take the argmax as they are; everything else is computed in float32."""
+    if all(is_plain_greedy(r.params) for r in rows):
+        return logits.argmax(dim=-1).tolist(), [None] * len(rows)   # widening is exact: the same argmax
+    logits = logits.float()
     apply_penalties(logits, rows)
     want_logprobs = [r.params.logprobs is not None for r in rows]
     logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -32,6 +36,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     entries = [token_logprob(logprobs[i], token_list[i], rows[i].params.logprobs) if want else None
                for i, want in enumerate(want_logprobs)]
     return token_list, entries
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:

@@ -69,3 +69,14 @@ def test_logprobs_are_log_softmax_values_with_top_alternatives():
     assert abs(entries[0].logprob - float(expected[tokens[0]])) < 1e-5
     assert [t.token_id for t in entries[0].top] == expected.topk(3).indices.tolist()
     assert entries[1] is None
+
+
+def test_bfloat16_logits_sample_as_their_float32_values():
+    logits = logits_rows(4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 30] = logits[0].max() + 1   # a tie: the first index wins, as in float32
+    widened = logits.float()
+    greedy, none = draw(logits, [row(temperature=0) for _ in range(4)])
+    assert greedy == widened.argmax(dim=-1).tolist() and greedy[0] == 7 and none == [None] * 4
+    mixed = [row(temperature=0, logprobs=2), row(temperature=0, repetition_penalty=1.3), row(temperature=0.8, seed=5),
+             row(temperature=0)]
+    assert draw(logits, mixed) == draw(widened, mixed)
