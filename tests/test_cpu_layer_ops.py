@@ -74,3 +74,26 @@ def test_a_slot_outside_the_pool_is_an_error_not_a_write(ops):
     pool = torch.zeros(2, 4, KV_HEADS, HEAD_DIM)
     with pytest.raises(RuntimeError, match="outside the pool"):
         fused.rotary_store_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([0, 8]), HEADS, KV_HEADS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
+def test_greedy_argmax_is_torchs(dtype, width):
+    """The first index on ties (also across vector lanes and the scalar tail), a NaN counts as the largest, a row of
+    -inf gives 0."""
+    torch.manual_seed(width)
+    logits = (torch.randn(6, width) * 8).to(dtype)
+    peak = logits.float().max() + 1
+    logits[0, width // 2] = logits[0, width - 1] = peak            # tie: the earlier one
+    logits[1, width - 1] = peak                                     # the maximum in the tail
+    logits[2, min(3, width - 1)] = logits[2, min(19, width - 1)] = peak   # tie between lanes
+    logits[3] = float("-inf")
+    logits[4, width - 1], logits[4, 0] = float("nan"), peak
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(cpu_layers.extension().argmax_rows(logits), expected)
+    assert expected[3] == 0 and expected[4] == width - 1
+
+
+def test_greedy_argmax_of_no_logits_is_an_error():
+    with pytest.raises(RuntimeError, match="must not be empty"):
+        cpu_layers.extension().argmax_rows(torch.empty(2, 0, dtype=torch.bfloat16))

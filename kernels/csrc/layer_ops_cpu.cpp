@@ -1,5 +1,6 @@
 // A decoder layer's elementwise work on the CPU, fused: RMSNorm (with the residual add before it), rotary
-// embedding of q and k together with the store of k and v into the paged pool, and SiLU(gate) * up.
+// embedding of q and k together with the store of k and v into the paged pool, and SiLU(gate) * up; and the
+// greedy pick over the LM head's rows (torch's argmax over bf16 is slower than widening the logits first).
 //
 // In eager torch these are ~40 small operator calls per layer, each a pass over memory and a dispatch; at decode
 // batch sizes the calls cost more than the arithmetic. Each function here is one pass.
@@ -271,6 +272,52 @@ void silu_mul_rows(torch::Tensor gate_up, torch::Tensor out) {
   });
 }
 
+// Index of the largest value of a row, the first one on ties; a NaN counts as the largest (torch.argmax's rule).
+// Per lane a running max and where it was first seen, then the lowest such index among the lanes holding the max.
+template <typename T>
+int64_t argmax_row(const Storage<T>* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = -INFINITY;
+  bool nan = false;
+#if FERRY_AVX512
+  if constexpr (kVectorised<T>) {
+    if (n >= 16) {
+      __m512 peak = _mm512_set1_ps(-INFINITY);
+      const __m512i step = _mm512_set1_epi32(16);
+      __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), where = index;
+      __mmask16 nans = 0;
+      for (; i + 16 <= n; i += 16, index = _mm512_add_epi32(index, step)) {
+        const __m512 v = load16(x + i);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, peak, _CMP_GT_OQ);
+        peak = _mm512_mask_mov_ps(peak, greater, v);
+        where = _mm512_mask_mov_epi32(where, greater, index);
+        nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      }
+      best_value = _mm512_reduce_max_ps(peak);
+      best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(peak, _mm512_set1_ps(best_value), _CMP_EQ_OQ), where);
+      nan = nans != 0;
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = Elem<T>::load(x[i]);
+    nan |= std::isnan(v);
+    if (v > best_value) best_value = v, best = i;
+  }
+  if (nan)
+    for (i = 0; i < n; ++i)
+      if (std::isnan(Elem<T>::load(x[i]))) return i;
+  return best;
+}
+
+template <typename T>
+void argmax_rows_of(torch::Tensor x, torch::Tensor out) {
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      out.data_ptr<int64_t>()[r] = argmax_row<T>(data<T>(x) + r * x.stride(0), x.size(1));
+  });
+}
+
 }  // namespace
 
 // RMSNorm of each row of x: returns weight * normalise(x), as a new tensor.
@@ -334,9 +381,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// The index of each row's largest value (greedy sampling over the LM head's logits), as torch.argmax(x, 1).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "argmax_rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  FERRY_DISPATCH(x.scalar_type(), "argmax_rows", argmax_rows_of<scalar>(x, out));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("rotary_store_kv", &rotary_store_kv, "rotary q and k from a fused qkv row; k and v stored in the pool");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (first on ties, NaN largest)");
 }
