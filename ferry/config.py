@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GiB = 1 << 30
+DRAIN_TIMEOUT_S = 30.0   # on SIGTERM, how long the router and the schedulers let in-flight requests finish
 
 
 @dataclass

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferry.config import DRAIN_TIMEOUT_S
+
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -29,7 +31,7 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--policy", default="cache_aware", choices=routing_policies(), help="router's routing policy")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="scheduler i serves Prometheus /metrics on this port + i; 0: none")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish")
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
                         help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY)")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ferry.config import DRAIN_TIMEOUT_S
 from ferry.telemetry import extract_metadata, setup_tracing
 from protos import router_pb2, router_pb2_grpc
 from router.core import RequestError, Router
@@ -66,7 +67,7 @@ class RouterOptions:
     api_key: str = ""
     max_concurrent_requests: int = 4096  # more get RESOURCE_EXHAUSTED / 429
     max_request_bytes: int = MAX_REQUEST_BYTES
-    drain_timeout: float = 30.0          # SIGTERM: seconds in-flight streams get to finish
+    drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds in-flight streams get to finish
 
 
 async def serve(options: RouterOptions) -> int:

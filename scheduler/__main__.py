@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from ferry.config import EngineConfig
+from ferry.config import DRAIN_TIMEOUT_S, EngineConfig
 from scheduler.admission import AdmissionLimits
 
 
@@ -54,7 +54,7 @@ def main() -> int:
                         help="requests waiting beyond the running batch's free seats; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-queued-tokens", type=int, default=AdmissionLimits.max_queued_tokens,
                         help="prompt tokens waiting; more get RESOURCE_EXHAUSTED")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM, seconds to finish in-flight requests before failing them")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()

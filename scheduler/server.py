@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.context import Context
 
-from ferry.config import EngineConfig
+from ferry.config import DRAIN_TIMEOUT_S, EngineConfig
 from ferry.engine import init_request
 from ferry.sampling_params import SamplingParams
 from ferry.telemetry import TRACING_OFF, Tracing, extract_metadata, setup_tracing
@@ -430,7 +430,7 @@ class ServeOptions:
     metrics_port: int = 0             # 0: no /metrics endpoint
     log_stats_interval: float = 10.0  # seconds between stats lines; 0: none
     limits: AdmissionLimits = AdmissionLimits()
-    drain_timeout: float = 30.0       # SIGTERM: seconds to finish in-flight requests before failing them
+    drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds to finish in-flight requests before failing them
 
 
 def reachable_ip() -> str:
