@@ -5,9 +5,10 @@ the torch paths, on shapes like the engine's `mixed` workload.
         [--baseline-rev e9693e1] [--layers 8] [--rounds 20] [--dtype bfloat16] [--json out.json]
 
 "new+huge" is the new kernel on copies of the pools advised to use 2 MiB pages before their first touch (as
-gpu_worker/kv_pool.py allocates the engine's pool). Every layer gets its own KV pool (so consecutive calls do not find the previous call's K/V in the cache, as in
-the engine where the 30 layers have 30 pools), with fragmented, shuffled block tables. Timings of the
-implementations are interleaved round by round (the machine is shared), and the ratios are taken per round.
+gpu_worker/kv_pool.py allocates the engine's pool). Every layer gets its own KV pool (so consecutive calls do not
+find the previous call's K/V in the cache, as in the engine where the 30 layers have 30 pools), with fragmented,
+shuffled block tables. Timings of the implementations are interleaved round by round (the machine is shared),
+and the ratios are taken per round.
 "Effective GB/s" counts the K and V bytes of every context token, read once.
 """
 from __future__ import annotations

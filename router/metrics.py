@@ -1,8 +1,8 @@
 """The router's telemetry: Prometheus metrics (names close to vLLM's) and the root span of every request's trace.
 
 The span carries the routing decision (policy, candidates, prefix blocks each candidate holds, winner) and its
-context goes upstream in the submit's trace_context on the scheduler's Connect stream. Latencies are measured where the client sees
-them: from the request's arrival at the router to each token leaving it.
+context goes upstream in the submit's trace_context on the scheduler's Connect stream. Latencies are measured
+where the client sees them: from the request's arrival at the router to each token leaving it.
 """
 from __future__ import annotations
 

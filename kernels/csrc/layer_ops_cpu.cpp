@@ -118,7 +118,8 @@ inline __m512 load16(const uint16_t* p) {
 inline __m512i bf16_bits(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
   return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
 
@@ -243,7 +244,6 @@ inline float silu_mul_scalar(float gate, float up) {
   const float silu = Elem<T>::round(gate / (1.f + std::exp(-gate)));
   return silu * up;
 }
-
 
 template <typename T>
 void silu_mul_row(const Storage<T>* gate, const Storage<T>* up, Storage<T>* dst, int64_t n) {
