@@ -7,7 +7,7 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from gpu_worker import cpu_linear
+from gpu_worker import cpu_heap, cpu_linear
 from gpu_worker.kv_pool import KVPool, kv_budget
 from gpu_worker.model import LlamaForCausalLM, ModelShape, TorchLayerOps, rope_cos_sin
 from gpu_worker.model_files import resolve_model_dir
@@ -54,6 +54,8 @@ class Worker:
     def init(self, req: worker_pb2.InitRequest) -> worker_pb2.InitResponse:
         device = resolve_device(req.device)
         dtype = resolve_dtype(req.dtype, device)
+        if device.type == "cpu":
+            cpu_heap.keep_freed_memory()
         model_dir = resolve_model_dir(req.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         shape = ModelShape.from_hf_config(hf_config)
