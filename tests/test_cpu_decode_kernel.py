@@ -100,3 +100,20 @@ def test_query_dtype_and_table_dtype_conversions():
     out = cpu_decode.paged_decode(query, k_cache, v_cache, tables.long(), lens, 0.125)
     expected = reference.paged_attention_decode(query, k_cache, v_cache, tables, lens, 0.125)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("num_kv_heads, group", [(3, 3), (2, 4), (1, 7)])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])
+def test_bf16_matches_fp32_math_on_the_same_values_to_one_rounding(head_dim, num_kv_heads, group, portable):
+    """bf16 queries and keys (scored with vdpbf16ps where the CPU has it): exact products summed in fp32, so the
+    only error left is the output's bf16 rounding."""
+    generator = torch.Generator().manual_seed(head_dim + group)
+    context_lens = [1, 15, 16, 17, 100, 700]
+    k_cache, v_cache, tables = scattered_pool(context_lens, num_kv_heads, head_dim, torch.bfloat16, generator)
+    query = (2 * torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=generator)).bfloat16()
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = cpu_decode.paged_decode(query, k_cache, v_cache, tables, lens, head_dim ** -0.5, portable=portable)
+    expected = reference.paged_attention_decode(query.float(), k_cache.float(), v_cache.float(), tables, lens,
+                                                head_dim ** -0.5)
+    torch.testing.assert_close(out.float(), expected, atol=1e-3, rtol=2 ** -8)

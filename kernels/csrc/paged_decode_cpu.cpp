@@ -11,8 +11,10 @@
 // With AVX-512 (F, BW, VL) a block's scores are 16 token-wise vector FMA chains over head_dim, summed across
 // lanes by one transposing reduction for the 16 tokens at once; values are accumulated with broadcast FMAs.
 // head_dim is walked 32 elements at a time; a bf16 chunk is widened with a shift and a mask (even and odd
-// elements), the query and output rows being kept in that permuted order. Everything accumulates in fp32 from fp32 queries (bf16/fp16 K and V are widened on load). Without AVX-512 a
-// portable scalar version of the same algorithm is used. Softmax is computed in base 2, with the query
+// elements), the query and output rows being kept in that permuted order. Everything accumulates in fp32 from fp32
+// queries (bf16/fp16 K and V are widened on load), except that with AVX512-BF16 a bf16 query scores bf16 keys with
+// vdpbf16ps (exact bf16 products summed in fp32, the scale applied to the sums). Without AVX-512 a portable scalar
+// version of the same algorithm is used. Softmax is computed in base 2, with the query
 // pre-multiplied by scale * log2(e).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef __linux__
@@ -52,6 +55,7 @@ struct Layout {
   int64_t v_block, v_token, v_head;
   int64_t kv_element;                    // bytes per K/V element
   float qk_scale;                        // softmax scale * log2(e)
+  bool bf16_dot;                         // bf16 query and keys: scores by vdpbf16ps from State::q_bf16
 };
 
 struct Item {
@@ -63,7 +67,8 @@ struct State {
   float* m;
   float* l;
   float* acc;   // [num_heads, padded_dim]
-  float* q;     // [num_heads, padded_dim], scaled, zero padded
+  float* q;           // [num_heads, padded_dim], scaled, zero padded
+  uint16_t* q_bf16;   // [num_heads, padded_dim]: the bf16 query as given (natural order, unscaled), when bf16_dot
 };
 
 inline float to_float(const void* base, at::ScalarType type, int64_t i) {
@@ -201,18 +206,14 @@ inline __mmask32 chunk_mask(int64_t chunk, int64_t chunks, int64_t tail) {
   return chunk == chunks - 1 && tail < 32 ? static_cast<__mmask32>((1u << tail) - 1u) : ~__mmask32(0);
 }
 
-// n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 32 when fixed at compile time, else 0.
+// Lane-wise partial dot products of n tokens' keys with TG query heads (q: fp32, scaled, permuted), each token's
+// 16 partial sums stored at its transposed row of partial[g] (see sum_rows16).
 template <typename T, int TG, int CHUNKS>
-void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                  int64_t first_head, State& st) {
+inline void score_tokens(const T* k, int64_t k_token, int64_t n, const Layout& lay, const float* q,
+                         float (*partial)[16 * 16]) {
   const int64_t pd = lay.padded_dim;
   const int64_t chunks = CHUNKS ? CHUNKS : pd / 32;
   const int64_t tail = lay.head_dim - (chunks - 1) * 32;
-  const float* q = st.q + first_head * pd;
-  alignas(64) float partial[TG][16 * 16];
-  alignas(64) float probs[TG][16];
-
-  // scores: per token, a lane-wise partial dot product per query head
   for (int64_t t = 0; t < n; ++t) {
     const T* row = k + t * k_token;
     __m512 da[TG], db[TG];
@@ -227,6 +228,59 @@ void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int6
     }
     for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, _mm512_add_ps(da[g], db[g]));
   }
+}
+
+#ifdef __AVX512BF16__
+// The same for bf16 keys and a bf16 query (q: as given, natural order): vdpbf16ps multiplies 32 bf16 pairs exactly
+// and sums them in fp32, with no widening; the scale is applied to the sums. 2 instructions a token and head where
+// the fp32 path spends 4 FMAs, plus 4 widening ops a token (measured: the decode kernel ~5% faster).
+template <int TG, int CHUNKS>
+inline void score_tokens_bf16_dot(const at::BFloat16* k, int64_t k_token, int64_t n, const Layout& lay,
+                                  const uint16_t* q, float (*partial)[16 * 16]) {
+  const int64_t pd = lay.padded_dim;
+  const int64_t chunks = CHUNKS ? CHUNKS : pd / 32;
+  const int64_t tail = lay.head_dim - (chunks - 1) * 32;
+  const __m512 scale = _mm512_set1_ps(lay.qk_scale);
+  for (int64_t t = 0; t < n; ++t) {
+    const at::BFloat16* row = k + t * k_token;
+    __m512 dot[TG];
+    for (int g = 0; g < TG; ++g) dot[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh keys = (__m512bh)_mm512_maskz_loadu_epi16(chunk_mask(c, chunks, tail), row + c * 32);
+      for (int g = 0; g < TG; ++g)
+        dot[g] = _mm512_dpbf16_ps(dot[g], (__m512bh)_mm512_load_si512(q + g * pd + c * 32), keys);
+    }
+    for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, _mm512_mul_ps(dot[g], scale));
+  }
+}
+#endif
+
+template <typename T, int TG, int CHUNKS>
+inline void score_block(const T* k, int64_t k_token, int64_t n, const Layout& lay, const State& st,
+                        int64_t first_head, float (*partial)[16 * 16]) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (lay.bf16_dot) {
+      score_tokens_bf16_dot<TG, CHUNKS>(k, k_token, n, lay, st.q_bf16 + first_head * lay.padded_dim, partial);
+      return;
+    }
+  }
+#endif
+  score_tokens<T, TG, CHUNKS>(k, k_token, n, lay, st.q + first_head * lay.padded_dim, partial);
+}
+
+// n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 32 when fixed at compile time, else 0.
+template <typename T, int TG, int CHUNKS>
+void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                  int64_t first_head, State& st) {
+  const int64_t pd = lay.padded_dim;
+  const int64_t chunks = CHUNKS ? CHUNKS : pd / 32;
+  const int64_t tail = lay.head_dim - (chunks - 1) * 32;
+  alignas(64) float partial[TG][16 * 16];
+  alignas(64) float probs[TG][16];
+
+  // scores: per token, a lane-wise partial dot product per query head
+  score_block<T, TG, CHUNKS>(k, k_token, n, lay, st, first_head, partial);
   for (int64_t t = n; t < 16; ++t)
     for (int g = 0; g < TG; ++g) _mm512_store_ps(partial[g] + kTransposeRow[t] * 16, _mm512_setzero_ps());
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
@@ -363,7 +417,8 @@ struct Scratch {
   std::vector<float> buffer;
   State state(const Layout& lay) {
     const size_t per_head = static_cast<size_t>(lay.padded_dim);
-    const size_t need = static_cast<size_t>(lay.num_heads) * (2 * per_head + 2) + 16;
+    // q, acc, m and l in fp32, then q_bf16 (half a float per element), each part 64-byte aligned
+    const size_t need = static_cast<size_t>(lay.num_heads) * (2 * per_head + 2 + per_head / 2) + 32;
     if (buffer.size() < need) buffer.assign(need, 0.f);
     float* base = buffer.data();
     base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;   // 64-byte aligned
@@ -372,6 +427,9 @@ struct Scratch {
     st.acc = st.q + lay.num_heads * per_head;
     st.m = st.acc + lay.num_heads * per_head;
     st.l = st.m + lay.num_heads;
+    float* rest = st.l + lay.num_heads;
+    rest += (16 - (reinterpret_cast<uintptr_t>(rest) / sizeof(float)) % 16) % 16;
+    st.q_bf16 = reinterpret_cast<uint16_t*>(rest);
     return st;
   }
 };
@@ -411,6 +469,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   lay.v_block = v_cache.stride(0), lay.v_token = v_cache.stride(1), lay.v_head = v_cache.stride(2);
   lay.kv_element = k_cache.element_size();
   lay.qk_scale = static_cast<float>(scale) * kLog2e;
+#ifdef __AVX512BF16__
+  lay.bf16_dot = FERRY_AVX512 && !portable && query.scalar_type() == torch::kBFloat16 &&
+                 k_cache.scalar_type() == torch::kBFloat16;
+#else
+  lay.bf16_dot = false;
+#endif
 
   const int64_t table_width = block_tables.size(1);
   std::vector<int64_t> lens(num_seqs);
@@ -479,6 +543,11 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
             const int64_t q_offset = (s * num_heads + h) * head_dim;
             std::fill(q, q + lay.padded_dim, 0.f);
             for (int64_t d = 0; d < head_dim; ++d) q[slot[d]] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
+            if (lay.bf16_dot) {
+              uint16_t* q_bf16 = st.q_bf16 + h * lay.padded_dim;
+              std::fill(q_bf16, q_bf16 + lay.padded_dim, uint16_t{0});
+              std::memcpy(q_bf16, static_cast<const at::BFloat16*>(q_ptr) + q_offset, head_dim * sizeof(uint16_t));
+            }
             std::fill(st.acc + h * lay.padded_dim, st.acc + (h + 1) * lay.padded_dim, 0.f);
             st.m[h] = kNegBig;
             st.l[h] = 0.f;
@@ -533,6 +602,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 
 bool has_avx512() { return FERRY_AVX512; }
 
+#ifdef __AVX512BF16__
+bool has_bf16_dot() { return FERRY_AVX512; }
+#else
+bool has_bf16_dot() { return false; }
+#endif
+
 // Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
 // only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
 // dear in a VM). MADV_HUGEPAGE covers future faults, MADV_COLLAPSE (Linux 6.1+) converts pages already there.
@@ -562,5 +637,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("portable") = false);
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether bf16 queries score bf16 keys with vdpbf16ps");
   m.def("advise_huge_pages", &advise_huge_pages, "back a memory range with huge pages (best effort)");
 }
