@@ -116,6 +116,8 @@ def test_packed_bfloat16_linear_is_bit_identical_to_plain_linear(bias):
     for rows in (1, 5, 64, 300):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
         assert torch.equal(packed(x), plain(x))
+    x = torch.randn(3, 7, 96, dtype=torch.bfloat16)   # leading dimensions other than rows
+    assert torch.equal(packed(x), plain(x))
 
 
 def test_bfloat16_worker_on_cpu_packs_its_linear_layers(tiny_llama_tied_dir):
