@@ -1,6 +1,7 @@
 """Attention over the paged KV pool: Triton kernels on CUDA, a vectorised torch path on CPU.
 
-Pool layout, per layer: k_cache / v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Pool layout, per layer: k_cache / v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim], any strides
+with a contiguous head_dim (the worker's pool is head-major inside a block, seen through a transposed view).
 A token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
 
 The three operations (same signatures in every backend):

@@ -130,19 +130,23 @@ def attend_prefill_chunk(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def gather_context(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
     """Each sequence's context from the pool → [num_seqs, num_kv_heads, context, head_dim] (a view)."""
-    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    rows = cache.view(-1, num_kv_heads * head_dim).index_select(0, kv_slots.view(-1))  # whole-token rows: fast
-    return rows.view(kv_slots.shape[0], -1, num_kv_heads, head_dim).transpose(1, 2)
+    block_size = cache.shape[1]
+    if cache.is_contiguous():   # token-major: whole-token rows, the fast gather
+        rows = cache.view(-1, cache.shape[2] * cache.shape[3]).index_select(0, kv_slots.view(-1))
+        return rows.view(*kv_slots.shape, cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return cache[kv_slots // block_size, kv_slots % block_size].transpose(1, 2)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    """key/value [T, KV, D] into the pool's [blocks, block_size, KV, D] (any strides) at slot_mapping (-1: skipped)."""
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def paged_attention_decode(query, k_cache, v_cache, block_tables, context_lens, scale):

@@ -221,7 +221,9 @@ void rotary_store_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
                        int64_t num_kv_heads, int64_t head_dim) {
   const int64_t rows = qkv.size(0);
   const int64_t k_offset = num_heads * head_dim, v_offset = k_offset + num_kv_heads * head_dim;
-  const int64_t kv_row = num_kv_heads * head_dim;   // one pool slot: every KV head of one token
+  // the pools are [N, B, KV, D] views, any strides with a contiguous head_dim (Ferry's pool is head-major)
+  const int64_t block_size = k_cache.size(1);
+  const int64_t block_stride = k_cache.stride(0), token_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -231,10 +233,12 @@ void rotary_store_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
       Storage<T>* q = data<T>(q_out) + r * k_offset;
       for (int64_t h = 0; h < num_heads; ++h) rotate_head<T>(row + h * head_dim, c, s, q + h * head_dim, head_dim);
       if (slot[r] < 0) continue;   // already in a shared block
-      Storage<T>* k_dst = data<T>(k_cache) + slot[r] * kv_row;
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        rotate_head<T>(row + k_offset + h * head_dim, c, s, k_dst + h * head_dim, head_dim);
-      std::memcpy(data<T>(v_cache) + slot[r] * kv_row, row + v_offset, kv_row * sizeof(Storage<T>));
+      const int64_t dst = slot[r] / block_size * block_stride + slot[r] % block_size * token_stride;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rotate_head<T>(row + k_offset + h * head_dim, c, s, data<T>(k_cache) + dst + h * head_stride, head_dim);
+        std::memcpy(data<T>(v_cache) + dst + h * head_stride, row + v_offset + h * head_dim,
+                    head_dim * sizeof(Storage<T>));
+      }
     }
   });
 }
@@ -356,12 +360,13 @@ torch::Tensor rotary_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
                   k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
               "rotary_store_kv: qkv, cos, sin and the pools must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(-1) == head_dim &&
-                  k_cache.size(-2) == num_kv_heads && v_cache.sizes() == k_cache.sizes(),
-              "rotary_store_kv: pools must be contiguous [N, B, KV, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(3) == head_dim && k_cache.size(2) == num_kv_heads &&
+                  k_cache.stride(3) == 1 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.strides() == k_cache.strides(),
+              "rotary_store_kv: pools must be [N, B, KV, D] with the same strides and a contiguous head_dim");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == qkv.size(0),
               "rotary_store_kv: slots must be int64 [T]");
-  const int64_t pool_slots = k_cache.numel() / (num_kv_heads * head_dim);
+  const int64_t pool_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < slots.numel(); ++r)
     TORCH_CHECK(slot[r] < pool_slots, "rotary_store_kv: slot ", slot[r], " outside the pool");
