@@ -37,6 +37,11 @@
 #else
 #define FERRY_AVX512 0
 #endif
+#if FERRY_AVX512 && defined(__AVX512BF16__)
+#define FERRY_BF16_DOT 1   // bf16 queries score bf16 keys with vdpbf16ps
+#else
+#define FERRY_BF16_DOT 0
+#endif
 
 namespace {
 
@@ -230,7 +235,22 @@ inline void score_tokens(const T* k, int64_t k_token, int64_t n, const Layout& l
   }
 }
 
-#ifdef __AVX512BF16__
+#if FERRY_BF16_DOT
+// One head's output row from its accumulator (bf16 SIMD order: even then odd elements of each 32) times inv:
+// rounded to bf16 and put back in natural order, 32 elements at a time.
+inline void store_output_bf16(const float* acc, float inv, at::BFloat16* out, int64_t head_dim) {
+  static const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                     23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t c = 0; c * 32 < head_dim; ++c) {
+    const __m512 even = _mm512_mul_ps(_mm512_load_ps(acc + c * 32), scale);
+    const __m512 odd = _mm512_mul_ps(_mm512_load_ps(acc + c * 32 + 16), scale);
+    const __m512i packed = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+    const int64_t n = std::min<int64_t>(32, head_dim - c * 32);
+    _mm512_mask_storeu_epi16(out + c * 32, static_cast<__mmask32>(n == 32 ? ~0u : (1u << n) - 1u), packed);
+  }
+}
+
 // The same for bf16 keys and a bf16 query (q: as given, natural order): vdpbf16ps multiplies 32 bf16 pairs exactly
 // and sums them in fp32, with no widening; the scale is applied to the sums. 2 instructions a token and head where
 // the fp32 path spends 4 FMAs, plus 4 widening ops a token (measured: the decode kernel ~5% faster).
@@ -258,7 +278,7 @@ inline void score_tokens_bf16_dot(const at::BFloat16* k, int64_t k_token, int64_
 template <typename T, int TG, int CHUNKS>
 inline void score_block(const T* k, int64_t k_token, int64_t n, const Layout& lay, const State& st,
                         int64_t first_head, float (*partial)[16 * 16]) {
-#ifdef __AVX512BF16__
+#if FERRY_BF16_DOT
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (lay.bf16_dot) {
       score_tokens_bf16_dot<TG, CHUNKS>(k, k_token, n, lay, st.q_bf16 + first_head * lay.padded_dim, partial);
@@ -469,12 +489,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   lay.v_block = v_cache.stride(0), lay.v_token = v_cache.stride(1), lay.v_head = v_cache.stride(2);
   lay.kv_element = k_cache.element_size();
   lay.qk_scale = static_cast<float>(scale) * kLog2e;
-#ifdef __AVX512BF16__
-  lay.bf16_dot = FERRY_AVX512 && !portable && query.scalar_type() == torch::kBFloat16 &&
+  lay.bf16_dot = FERRY_BF16_DOT && !portable && query.scalar_type() == torch::kBFloat16 &&
                  k_cache.scalar_type() == torch::kBFloat16;
-#else
-  lay.bf16_dot = false;
-#endif
 
   const int64_t table_width = block_tables.size(1);
   std::vector<int64_t> lens(num_seqs);
@@ -541,12 +557,13 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
           for (int64_t h = 0; h < num_heads; ++h) {
             float* q = st.q + h * lay.padded_dim;
             const int64_t q_offset = (s * num_heads + h) * head_dim;
-            std::fill(q, q + lay.padded_dim, 0.f);
-            for (int64_t d = 0; d < head_dim; ++d) q[slot[d]] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
-            if (lay.bf16_dot) {
+            if (lay.bf16_dot) {   // the only query the scores read
               uint16_t* q_bf16 = st.q_bf16 + h * lay.padded_dim;
-              std::fill(q_bf16, q_bf16 + lay.padded_dim, uint16_t{0});
+              std::fill(q_bf16 + head_dim, q_bf16 + lay.padded_dim, uint16_t{0});
               std::memcpy(q_bf16, static_cast<const at::BFloat16*>(q_ptr) + q_offset, head_dim * sizeof(uint16_t));
+            } else {
+              std::fill(q, q + lay.padded_dim, 0.f);
+              for (int64_t d = 0; d < head_dim; ++d) q[slot[d]] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
             }
             std::fill(st.acc + h * lay.padded_dim, st.acc + (h + 1) * lay.padded_dim, 0.f);
             st.m[h] = kNegBig;
@@ -558,7 +575,18 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
             if (item.partial < 0) {
               const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
               const int64_t o_offset = (s * num_heads + h) * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, acc[slot[d]] * inv);
+#if FERRY_BF16_DOT
+              if (lay.bf16_dot) {
+                store_output_bf16(acc, inv, static_cast<at::BFloat16*>(out_ptr) + o_offset, head_dim);
+                continue;
+              }
+#endif
+              if (q_type == k_cache.scalar_type()) {   // no per-element dtype switch
+                scalar_t* o = static_cast<scalar_t*>(out_ptr) + o_offset;
+                for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[slot[d]] * inv);
+              } else {
+                for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, acc[slot[d]] * inv);
+              }
             } else {
               float* dst = partial_acc + (item.partial * num_heads + h) * head_dim;
               for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[slot[d]];
@@ -602,11 +630,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 
 bool has_avx512() { return FERRY_AVX512; }
 
-#ifdef __AVX512BF16__
-bool has_bf16_dot() { return FERRY_AVX512; }
-#else
-bool has_bf16_dot() { return false; }
-#endif
+bool has_bf16_dot() { return FERRY_BF16_DOT; }
 
 // Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
 // only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
