@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+from benchmarks import grpc_stream_cost
+
 
 def run_bench(*args: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", *args, "--json"], capture_output=True,
@@ -74,3 +76,9 @@ def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_pref
     assert [(len(r.prompt_token_ids), r.max_tokens) for r in longer] == [(20, 5), (33, 7)] * 3
     assert len({tuple(r.prompt_token_ids[:16]) for r in longer}) == 6
     assert all(1000 <= t < 40000 for r in longer for t in r.prompt_token_ids)
+
+
+def test_grpc_stream_cost_counts_every_message_and_both_sides_cpu():
+    result = grpc_stream_cost.measure(streams=8, messages=100, interval=0.001)   # ~0.1 s of CPU each side
+    assert result["messages"] == 800
+    assert result["server_us_per_message"] > 0 and result["client_us_per_message"] > 0
