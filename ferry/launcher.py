@@ -63,6 +63,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 class Stack:
     """Every process `ferry up` started, each in its own process group (a scheduler's group holds its worker)."""
     processes: list[subprocess.Popen] = field(default_factory=list)
+    redis: subprocess.Popen | None = None   # the redis-server it started, if any: stopped last
 
     def start(self, args: list[str], name: str, **popen_kwargs) -> subprocess.Popen:
         process = subprocess.Popen(args, start_new_session=True, **popen_kwargs)
@@ -71,18 +72,22 @@ class Stack:
         return process
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM each process (a scheduler drains, then stops its own worker), SIGKILL what is left after timeout."""
-        for process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+        """SIGTERM the services together (a scheduler drains, then stops its own worker), then Redis, which they
+        deregister from on the way out; SIGKILL what is left of a process group after timeout."""
+        redis = [p for p in self.processes if p is self.redis]
+        services = [p for p in self.processes if p is not self.redis]
         deadline = time.monotonic() + timeout
-        for process in self.processes:
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            signal_group(process, signal.SIGKILL)   # whatever is left of the group (a worker, say)
-            process.wait()
+        for group in (services, redis):
+            for process in reversed(group):
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in group:
+                try:
+                    process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                signal_group(process, signal.SIGKILL)   # whatever is left of the group (a worker, say)
+                process.wait()
 
     def any_exited(self) -> subprocess.Popen | None:
         return next((p for p in self.processes if p.poll() is not None), None)
@@ -160,8 +165,8 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     redis_url = args.redis_url
     if not redis_url:
         redis_port = free_port()
-        stack.start([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no"], "redis-server")
+        stack.redis = stack.start([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1",
+                                   "--save", "", "--appendonly", "no"], "redis-server")
         redis_url = f"redis://127.0.0.1:{redis_port}"
     py = sys.executable
     scheduler_ports = [free_port() for _ in range(args.num_schedulers)]

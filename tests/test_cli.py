@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ferry import launcher
 from ferry.launcher import free_port
 from tests.services_fixtures import wait_until
 
@@ -98,3 +99,30 @@ def test_ferry_up_with_the_default_model_says_paris():
     finally:
         if up.poll() is None:
             up.kill()
+
+
+SERVICE_THAT_NEEDS_REDIS_ON_EXIT = """
+import os, signal, sys, time
+def on_term(*_):
+    time.sleep(0.5)   # draining, then deregistering
+    try:
+        os.kill(int(sys.argv[1]), 0)
+        print("redis alive at exit", flush=True)
+    except ProcessLookupError:
+        print("redis gone at exit", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_stop_keeps_redis_up_until_the_services_have_exited():
+    stack = launcher.Stack()
+    stack.redis = stack.start([sys.executable, "-c", "import time; time.sleep(60)"], "redis stand-in")
+    service = stack.start([sys.executable, "-c", SERVICE_THAT_NEEDS_REDIS_ON_EXIT, str(stack.redis.pid)], "service",
+                          stdout=subprocess.PIPE, text=True)
+    assert service.stdout.readline().strip() == "ready"
+    stack.stop(timeout=10)
+    assert service.stdout.read().strip() == "redis alive at exit"
+    assert stack.redis.poll() is not None
