@@ -62,7 +62,9 @@ class PagedBatch:
 
 
 def make_batch(context_lens: list[int], num_heads: int, num_kv_heads: int, dtype: torch.dtype,
-               seed: int = 0) -> PagedBatch:
+               seed: int = 0, layout: str = "token_major") -> PagedBatch:
+    """layout "head_major": the pool stored [blocks, KV, block_size, D] and seen through a transposed view, as the
+    worker's KVPool lays it out; "token_major": a contiguous [blocks, block_size, KV, D] tensor."""
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-length // BLOCK_SIZE) for length in context_lens]
     max_blocks = max(blocks_per_seq) + 1                       # a spare column: tables wider than needed
@@ -70,6 +72,8 @@ def make_batch(context_lens: list[int], num_heads: int, num_kv_heads: int, dtype
     pool_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
     k_cache = torch.randn(pool_shape, generator=generator).to(dtype) * 50  # garbage must never be read
     v_cache = torch.randn(pool_shape, generator=generator).to(dtype) * 50
+    if layout == "head_major":
+        k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
     free_blocks = torch.randperm(num_blocks, generator=generator).tolist()  # fragmented, shuffled
     block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
     keys, values, queries = [], [], []
@@ -104,10 +108,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(backend: str, dtype: torch.dtype) -> None:
-    batch = make_batch([13], num_heads=4, num_kv_heads=2, dtype=dtype)
+def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(backend: str, dtype: torch.dtype,
+                                                                  layout: str) -> None:
+    batch = make_batch([13], num_heads=4, num_kv_heads=2, dtype=dtype, layout=layout)
     qkv = torch.randn(5, 3, 2, HEAD_DIM)                      # key/value as strided views, as a model makes them
     key, value = qkv[:, 1], qkv[:, 2]
     slot_mapping = torch.tensor([17, -1, 3, 40, -1])
@@ -115,16 +121,17 @@ def test_store_kv_writes_each_token_to_its_slot_and_skips_padding(backend: str, 
     reference.store_kv(key, value, expected_k, expected_v, slot_mapping)
     BACKENDS[backend].store_kv(key, value, batch.k_cache, batch.v_cache, slot_mapping)
     assert torch.equal(batch.k_cache, expected_k) and torch.equal(batch.v_cache, expected_v)
-    assert torch.equal(batch.k_cache.view(-1, 2, HEAD_DIM)[40], key[3].to(dtype))
+    assert torch.equal(batch.k_cache[40 // BLOCK_SIZE, 40 % BLOCK_SIZE], key[3].to(dtype))
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (4, 1)])
 def test_decode_matches_reference_and_dense_attention(backend: str, dtype: torch.dtype, num_heads: int,
-                                                      num_kv_heads: int) -> None:
+                                                      num_kv_heads: int, layout: str) -> None:
     context_lens = [1, 19, 8, 30]
-    batch = make_batch(context_lens, num_heads, num_kv_heads, dtype)
+    batch = make_batch(context_lens, num_heads, num_kv_heads, dtype, layout=layout)
     query = torch.stack([q[-1] for q in batch.queries])
     scale = HEAD_DIM ** -0.5
     out = BACKENDS[backend].paged_attention_decode(query, batch.k_cache, batch.v_cache, batch.block_tables,
@@ -153,14 +160,15 @@ def test_decode_long_context_split_into_partitions_matches_one_pass(dtype: torch
     assert_close(partitioned, dense, dtype)
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (4, 1)])
 def test_prefill_over_cached_prefix_matches_reference_and_dense(backend: str, dtype: torch.dtype,
-                                                                num_heads: int, num_kv_heads: int) -> None:
+                                                                num_heads: int, num_kv_heads: int, layout: str) -> None:
     context_lens = [21, 9, 40, 6]
     new_tokens = [21, 4, 19, 1]                  # a whole prompt, prefix hits / later chunks, a decode
-    batch = make_batch(context_lens, num_heads, num_kv_heads, dtype, seed=2)
+    batch = make_batch(context_lens, num_heads, num_kv_heads, dtype, seed=2, layout=layout)
     query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
     cu_seqlens_q = torch.tensor([0] + new_tokens, dtype=torch.int32).cumsum(0).to(torch.int32)
     scale = HEAD_DIM ** -0.5
