@@ -31,7 +31,8 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
-    taken = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    taken = (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+             and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
     if not taken:
         log.info("glibc refused the heap thresholds; freed CPU activations go back to the OS")
     return taken

@@ -181,8 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_ops = None                  # TorchLayerOps or kernels.cpu_layers.CpuLayerOps, set by the loader
         self.layer_plans: list[LayerPlan] | None = None   # built by the first forward, once the linears are final
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                batch: "AttentionBatch") -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: "AttentionBatch") -> torch.Tensor:
         ops = self.layer_ops
         residual = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(residual.dtype)  # cast after lookup, as transformers does
