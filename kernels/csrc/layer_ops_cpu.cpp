@@ -18,23 +18,13 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define FERRY_AVX512 1
-#include <immintrin.h>
-#else
-#define FERRY_AVX512 0
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
-// bf16 <-> fp32 with round-to-nearest-even, written as integer ops so that loops over them vectorise.
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using ferry::bf16_bits_to_float;
 
+// fp32 -> bf16 with round-to-nearest-even, written as integer ops so that loops over it vectorise.
 inline uint16_t float_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
@@ -57,9 +47,9 @@ struct Elem<float> {
 template <>
 struct Elem<at::BFloat16> {
   using Storage = uint16_t;
-  static float load(uint16_t x) { return bf16_to_float(x); }
+  static float load(uint16_t x) { return bf16_bits_to_float(x); }
   static uint16_t store(float x) { return float_to_bf16(x); }
-  static float round(float x) { return bf16_to_float(float_to_bf16(x)); }
+  static float round(float x) { return bf16_bits_to_float(float_to_bf16(x)); }
 };
 
 template <>

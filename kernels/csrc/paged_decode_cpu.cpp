@@ -31,12 +31,8 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FERRY_AVX512 1
-#include <immintrin.h>
-#else
-#define FERRY_AVX512 0
-#endif
+#include "cpu_simd.h"
+
 #if FERRY_AVX512 && defined(__AVX512BF16__)
 #define FERRY_BF16_DOT 1   // bf16 queries score bf16 keys with vdpbf16ps
 #else
@@ -99,12 +95,7 @@ inline void from_float(void* base, at::ScalarType type, int64_t i, float x) {
 template <typename T>
 inline float widen(T x) { return static_cast<float>(x); }
 template <>
-inline float widen<at::BFloat16>(at::BFloat16 x) {   // bf16 is the top half of an fp32
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float widen<at::BFloat16>(at::BFloat16 x) { return ferry::bf16_bits_to_float(x.x); }
 
 inline void prefetch_rows(const char* base, int64_t rows, int64_t row_stride, int64_t row_bytes) {
   for (int64_t r = 0; r < rows; ++r)

@@ -1,0 +1,24 @@
+// What Ferry's CPU extensions share: which AVX-512 subsets the build targets, and bf16's bit layout.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FERRY_AVX512 1
+#include <immintrin.h>
+#else
+#define FERRY_AVX512 0
+#endif
+
+namespace ferry {
+
+// bf16 is the top half of an fp32: widening is a shift, exact (written as integer ops so that loops vectorise).
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &widened, sizeof f);
+  return f;
+}
+
+}  // namespace ferry
