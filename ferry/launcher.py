@@ -240,8 +240,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     with grpc.insecure_channel(args.router) as channel:
         try:
-            for response in router_pb2_grpc.RouterStub(channel).Generate(
-                    generate_request(args), metadata=[("authorization", f"Bearer {args.api_key}")] if args.api_key else None):
+            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+            for response in router_pb2_grpc.RouterStub(channel).Generate(generate_request(args), metadata=metadata):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.HasField("usage"):

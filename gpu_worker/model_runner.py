@@ -146,7 +146,8 @@ class ModelRunner:
         return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size)
 
 
-def decode_buckets(decodes: list[ScheduledChunk], max_buckets: int = 4, min_size: int = 8) -> list[list[ScheduledChunk]]:
+def decode_buckets(decodes: list[ScheduledChunk], max_buckets: int = 4,
+                   min_size: int = 8) -> list[list[ScheduledChunk]]:
     """Split decodes (sorted by context length) so that each group pads little: a group closes once the next
     context is 1.5x its shortest."""
     buckets: list[list[ScheduledChunk]] = []

@@ -82,7 +82,8 @@ def prefill_chunks(block_tables: torch.Tensor, context_lens: list[int], query_le
         positions = torch.arange(context, device=device)
         slots = context_slots(block_tables[seq:seq + 1], positions, block_size)[0]
         query_positions = torch.arange(context - query, context, device=device)
-        chunks.append(PrefillChunk(slice(row, row + query), slots, positions.unsqueeze(0) > query_positions.unsqueeze(1)))
+        blocked = positions.unsqueeze(0) > query_positions.unsqueeze(1)
+        chunks.append(PrefillChunk(slice(row, row + query), slots, blocked))
         row += query
     return chunks
 
@@ -125,7 +126,8 @@ def attend_prefill_chunk(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     scores.view(num_kv_heads, group, query_len, -1).masked_fill_(chunk.blocked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.bmm(probs, values)                                            # [KVH, G * Q, D]
-    return out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+    out = out.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(query_len, num_heads, head_dim)
 
 
 def gather_context(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,8 @@ def test_metrics_gauges_move_while_requests_run_and_return_to_idle(traced_stack)
 
     def stream(i: int) -> int:
         with grpc.insecure_channel(traced_stack.router_address) as channel:
-            request = router_pb2.GenerateRequest(text=f"{i} {LONG_PROMPT}", sampling=greedy(max_tokens, ignore_eos=True))
+            request = router_pb2.GenerateRequest(text=f"{i} {LONG_PROMPT}",
+                                                 sampling=greedy(max_tokens, ignore_eos=True))
             num_tokens = 0
             for message in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120):
                 if num_tokens == 0:
@@ -256,7 +257,8 @@ def test_metrics_gauges_move_while_requests_run_and_return_to_idle(traced_stack)
         outputs = [r.result() for r in results]
     assert outputs == [max_tokens] * num_requests
     assert value(router_busy, "ferry:num_requests_running") >= 1
-    assert value(scheduler_busy, "ferry:num_requests_running") + value(scheduler_busy, "ferry:num_requests_waiting") >= 1
+    assert (value(scheduler_busy, "ferry:num_requests_running")
+            + value(scheduler_busy, "ferry:num_requests_waiting")) >= 1
     assert 0 < value(scheduler_busy, "ferry:kv_cache_usage_perc") <= 1
 
     scheduler, router = scrape(traced_stack.scheduler_metrics_url), scrape(router_metrics)
