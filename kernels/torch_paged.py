@@ -131,11 +131,8 @@ def attend_prefill_chunk(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def gather_context(cache: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
-    """Each sequence's context from the pool → [num_seqs, num_kv_heads, context, head_dim] (a view)."""
+    """Each sequence's context from the pool (any strides) → [num_seqs, num_kv_heads, context, head_dim]."""
     block_size = cache.shape[1]
-    if cache.is_contiguous():   # token-major: whole-token rows, the fast gather
-        rows = cache.view(-1, cache.shape[2] * cache.shape[3]).index_select(0, kv_slots.view(-1))
-        return rows.view(*kv_slots.shape, cache.shape[2], cache.shape[3]).transpose(1, 2)
     return cache[kv_slots // block_size, kv_slots % block_size].transpose(1, 2)
 
 

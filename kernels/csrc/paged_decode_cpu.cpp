@@ -520,6 +520,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   float* partial_ml = partials.data() + num_partials * num_heads * head_dim;
 
   const at::ScalarType q_type = query.scalar_type();
+  const bool output_in_pool_dtype = q_type == k_cache.scalar_type();
   const void* q_ptr = query.data_ptr();
   void* out_ptr = out.data_ptr();
   const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
@@ -572,7 +573,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
                 continue;
               }
 #endif
-              if (q_type == k_cache.scalar_type()) {   // no per-element dtype switch
+              if (output_in_pool_dtype) {   // no per-element dtype switch
                 scalar_t* o = static_cast<scalar_t*>(out_ptr) + o_offset;
                 for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[slot[d]] * inv);
               } else {
@@ -621,8 +622,6 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 
 bool has_avx512() { return FERRY_AVX512; }
 
-bool has_bf16_dot() { return FERRY_BF16_DOT; }
-
 // Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
 // only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
 // dear in a VM). MADV_HUGEPAGE covers future faults, MADV_COLLAPSE (Linux 6.1+) converts pages already there.
@@ -652,6 +651,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("portable") = false);
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
-  m.def("has_bf16_dot", &has_bf16_dot, "whether bf16 queries score bf16 keys with vdpbf16ps");
   m.def("advise_huge_pages", &advise_huge_pages, "back a memory range with huge pages (best effort)");
 }
