@@ -66,7 +66,8 @@ def add_split_parser(bench) -> None:
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="mixed", choices=("mixed", "shared_prefix", "mixed_small", "chat"))
+    parser.add_argument("--workload", default="mixed",
+                        choices=("mixed", "shared_prefix", "mixed_small", "chat", *workloads.ROUTING_WORKLOADS))
     parser.add_argument("--workload-file", type=Path, help="JSON list of {prompt_token_ids, max_tokens}")
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")

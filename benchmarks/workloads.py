@@ -14,6 +14,9 @@ CHAT_QUESTIONS = [
 ]
 
 
+ROUTING_WORKLOADS = ("tenants", "multiturn")
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
@@ -43,6 +46,9 @@ def generate(name: str, num_requests: int = 64, seed: int = 0, vocab: tuple[int,
 def load(name: str, tokenizer=None, num_requests: int | None = None) -> list[BenchRequest]:
     if name == "chat":
         return chat_workload(tokenizer, num_requests or 32)
+    if name in ROUTING_WORKLOADS:   # generated, any length: see benchmarks/routing_workloads.py
+        from benchmarks.routing_workloads import GENERATORS
+        return GENERATORS[name](num_requests or 512)
     shared = SHARED_WORKLOADS / f"{name}.json"
     requests = load_workload_file(shared) if shared.is_file() else generate(name)
     if num_requests and num_requests > len(requests):
