@@ -119,7 +119,8 @@ class Router:
         check_length(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
-                               await self.directory.prefix_matches(candidates[0].model, hashes))
+                               await self.directory.prefix_matches(candidates[0].model, hashes),
+                               prefix_index_live=self.directory.prefix_index_live)
         ranked = self.policy(candidates, routing)
         state = StreamState(request.request_id or uuid.uuid4().hex, len(prompt_ids),
                             [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,

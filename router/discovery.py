@@ -30,6 +30,7 @@ class SchedulerDirectory:
     static: dict[str, SchedulerInfo] = field(default_factory=dict)
     redis_ok: bool = False
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    prefix_index_live: bool = False   # the last prefix lookup reached Redis
 
     def __post_init__(self) -> None:
         self.redis = (aioredis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
@@ -86,27 +87,25 @@ class SchedulerDirectory:
 
     async def prefix_matches(self, model: str, block_hashes: list[int]) -> dict[str, int]:
         """How many leading prompt blocks each live scheduler holds: one pipelined round trip to Redis.
-        Entries of schedulers that are not live are ignored; with Redis down there are no matches."""
-        if self.redis is None or not self.redis_ok or not block_hashes:
+        Entries of schedulers that are not live are ignored; with Redis down there are no matches, and
+        `prefix_index_live` says so until a lookup succeeds again."""
+        if self.redis is None or not self.redis_ok:
+            self.prefix_index_live = False
+            return {}
+        if not block_hashes:
             return {}
         pipe = self.redis.pipeline(transaction=False)
         for block_hash in block_hashes[:MAX_PREFIX_LOOKUP_BLOCKS]:
             pipe.smembers(block_key(model, block_hash, self.prefix))
         try:
             holders = await pipe.execute()
-        except Exception as e:   # routing falls back to affinity + load
+        except Exception as e:   # routing falls back to the router's own history (the approximate policy)
             log.warning("prefix lookup failed: %s", e)
+            self.prefix_index_live = False
             return {}
-        matched: dict[str, int] = {}
-        alive = set(self.live)
-        for depth, members in enumerate(holders):
-            ids = {m.decode() if isinstance(m, bytes) else m for m in members} & alive
-            ids = {i for i in ids if matched.get(i, 0) == depth}   # a chain stops at its first miss
-            if not ids:
-                break
-            for scheduler_id in ids:
-                matched[scheduler_id] = depth + 1
-        return matched
+        self.prefix_index_live = True
+        return leading_matches([{m.decode() if isinstance(m, bytes) else m for m in members} for members in holders],
+                               set(self.live))
 
     async def probe_static(self) -> None:
         for address in self.static_addresses:
@@ -126,3 +125,16 @@ class SchedulerDirectory:
             await channel.close()
         if self.redis is not None:
             await self.redis.aclose()
+
+
+def leading_matches(holders: list[set[str]], alive: set[str]) -> dict[str, int]:
+    """holders[i]: the schedulers holding prompt block i; returns how many leading blocks each alive one holds
+    (a chain stops at its first miss)."""
+    matched: dict[str, int] = {}
+    for depth, members in enumerate(holders):
+        ids = {i for i in members & alive if matched.get(i, 0) == depth}
+        if not ids:
+            break
+        for scheduler_id in ids:
+            matched[scheduler_id] = depth + 1
+    return matched

@@ -5,9 +5,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import itertools
+import random
+import time
 
 import xxhash
 
+from router.routing_history import RoutingHistory
 from scheduler.registry import SchedulerInfo
 
 
@@ -17,6 +20,8 @@ class RoutingInput:
     block_hashes: list[int]          # chained hashes of the prompt's full blocks (protos.block_hash)
     pending: dict[str, int]          # requests this router has in flight per scheduler id
     matched_blocks: dict[str, int] = field(default_factory=dict)  # leading prompt blocks each scheduler holds
+    prefix_index_live: bool = True   # False: Redis is down, matched_blocks says nothing
+    now: float = field(default_factory=time.monotonic)
 
 
 RoutingPolicy = Callable[[Sequence[SchedulerInfo], RoutingInput], list[SchedulerInfo]]
@@ -45,9 +50,10 @@ def least_loaded(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> 
     return sorted(candidates, key=rank)
 
 
-LOAD_PENALTY_PER_TOKEN = 0.1   # a cached prompt token is worth ten tokens of queued or running work
+RUNNING_TOKEN_WEIGHT = 0.1     # a running sequence's context token slows the steps ahead: a tenth of a prefill token
 IMBALANCE_ABSOLUTE_TOKENS = 8192
 IMBALANCE_RELATIVE = 1.5
+RECENT_WINDOW_S = 1.0          # a scheduler's heartbeat (ttl / 3): what the router sent since, Redis cannot know yet
 
 
 def load_tokens(info: SchedulerInfo, request: RoutingInput) -> int:
@@ -55,31 +61,91 @@ def load_tokens(info: SchedulerInfo, request: RoutingInput) -> int:
     return info.load_tokens + request.pending.get(info.scheduler_id, 0) * len(request.prompt_token_ids)
 
 
-def cache_aware(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
-    """Most prompt tokens already cached minus a load penalty; without any hit the rendezvous winner of the
-    first block, so equal prefixes gather in one place. An imbalance guard hands the request to the least loaded
-    scheduler when affinity would pile work on one."""
+def uncached_tokens(info: SchedulerInfo, request: RoutingInput, matched_blocks: int) -> int:
+    """Prompt tokens scheduler `info` would have to prefill (the last prompt token is always recomputed)."""
+    num_prompt = len(request.prompt_token_ids)
+    return num_prompt - min(matched_blocks * (info.block_size or 16), num_prompt - 1)
+
+
+def expected_work(info: SchedulerInfo, request: RoutingInput, matched_blocks: int, recent_work: int = 0) -> float:
+    """Tokens a scheduler must get through before this request's first token: its queued prefill (as of its
+    heartbeat, plus what this router sent it since), its running decodes' context, and the request's own uncached
+    prompt. A cache hit and a queue are weighed in the same unit."""
+    queued = info.waiting_tokens + recent_work
+    return queued + RUNNING_TOKEN_WEIGHT * info.running_tokens + uncached_tokens(info, request, matched_blocks)
+
+
+def rank_by_work(candidates: Sequence[SchedulerInfo], request: RoutingInput, matched: dict[str, int],
+                 recent: dict[str, int]) -> list[SchedulerInfo]:
+    """Least expected work first, ties to the rendezvous winner of the first block (equal prefixes gather); then
+    the imbalance guard: a first choice far above the lightest scheduler gives way to it."""
     key = affinity_key(request)
-    block_size = candidates[0].block_size or 16
 
-    def score(info: SchedulerInfo) -> tuple[float, int]:
-        saved = request.matched_blocks.get(info.scheduler_id, 0) * block_size
-        return saved - LOAD_PENALTY_PER_TOKEN * load_tokens(info, request), rendezvous_weight(info.scheduler_id, key)
+    def rank(info: SchedulerInfo) -> tuple[float, int]:
+        work = expected_work(info, request, matched.get(info.scheduler_id, 0), recent.get(info.scheduler_id, 0))
+        return work, -rendezvous_weight(info.scheduler_id, key)
 
-    if any(request.matched_blocks.values()):
-        ranked = sorted(candidates, key=score, reverse=True)
-    else:
-        ranked = sorted(candidates, key=lambda info: rendezvous_weight(info.scheduler_id, key), reverse=True)
-    lightest = min(candidates, key=lambda info: load_tokens(info, request))
-    if overloaded(load_tokens(ranked[0], request), load_tokens(lightest, request)):
+    ranked = sorted(candidates, key=rank)
+    load = lambda info: load_tokens(info, request) + recent.get(info.scheduler_id, 0)  # noqa: E731
+    lightest = min(candidates, key=load)
+    if overloaded(load(ranked[0]), load(lightest)):
         ranked.remove(lightest)
         ranked.insert(0, lightest)
     return ranked
 
 
+def cache_aware(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+    """Stateless cache-aware ranking from the prefix index alone (see CacheAwarePolicy for the router's)."""
+    return rank_by_work(candidates, request, request.matched_blocks, {})
+
+
 def overloaded(load: int, lightest_load: int) -> bool:
     return (load - lightest_load > IMBALANCE_ABSOLUTE_TOKENS
             and load > IMBALANCE_RELATIVE * lightest_load)
+
+
+@dataclass
+class CacheAwarePolicy:
+    """Least expected work, with what this router knows between heartbeats: its own recent decisions, while still
+    in flight, count as queued work, and as cached blocks where the prefix index cannot show them yet. A hot prefix therefore spreads:
+    once its holder's queue outweighs a cold prefill elsewhere, the next request goes elsewhere, and the router
+    then knows two holders. `use_prefix_index=False` is the approximate policy (history only, no Redis), which is
+    also what this policy falls back to when the prefix index is down."""
+    use_prefix_index: bool = True
+    history: RoutingHistory = field(default_factory=RoutingHistory)
+    recent_window_s: float = RECENT_WINDOW_S
+
+    @property
+    def __name__(self) -> str:
+        return "cache_aware" if self.use_prefix_index else "approximate"
+
+    def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        matched = self.matched_blocks(request)
+        recent = {c.scheduler_id: self.history.recent_work(c.scheduler_id, request.now, self.recent_window_s,
+                                                           request.pending.get(c.scheduler_id, 0))
+                  for c in candidates}
+        ranked = rank_by_work(candidates, request, matched, recent)
+        chosen = ranked[0]
+        added = (uncached_tokens(chosen, request, matched.get(chosen.scheduler_id, 0))
+                 + RUNNING_TOKEN_WEIGHT * len(request.prompt_token_ids))   # its prefill, then its running context
+        self.history.record(chosen.scheduler_id, request.block_hashes, round(added), request.now)
+        return ranked
+
+    def matched_blocks(self, request: RoutingInput) -> dict[str, int]:
+        if not (self.use_prefix_index and request.prefix_index_live):
+            return self.history.matched_blocks(request.block_hashes)
+        recent = self.history.matched_blocks(request.block_hashes, request.now - self.recent_window_s)
+        indexed = request.matched_blocks
+        return {s: max(indexed.get(s, 0), recent.get(s, 0)) for s in indexed.keys() | recent.keys()}
+
+
+def random_policy(seed: int | None = None) -> RoutingPolicy:
+    rng = random.Random(seed)
+
+    def random_choice(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        return rng.sample(list(candidates), len(candidates))
+
+    return random_choice
 
 
 def round_robin_policy() -> RoutingPolicy:
@@ -94,8 +160,10 @@ def round_robin_policy() -> RoutingPolicy:
 
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    "cache_aware": lambda: cache_aware,
+    "cache_aware": CacheAwarePolicy,
     "least_loaded": lambda: least_loaded,
     "round_robin": round_robin_policy,
+    "random": random_policy,
+    "approximate": lambda: CacheAwarePolicy(use_prefix_index=False),
 }
 """Factories: each router gets its own policy instance (round robin keeps a turn counter)."""

@@ -1,0 +1,110 @@
+"""Routing policies on constructed cluster states: hit vs load, hot-prefix spreading, the approximate policy's
+history, Redis down, random."""
+from __future__ import annotations
+
+from collections import Counter
+
+from protos.block_hash import hash_blocks
+from router.policy import POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, rendezvous_weight
+from router.routing_history import RoutingHistory
+from scheduler.registry import SchedulerInfo
+
+PREFIX = list(range(1000, 2024))          # 64 blocks of 16
+
+
+def info(scheduler_id: str, waiting_tokens: int = 0, running_tokens: int = 0) -> SchedulerInfo:
+    return SchedulerInfo(scheduler_id, f"{scheduler_id}:1", "m", "/m", 16, 4096, 50_000,
+                         waiting_tokens=waiting_tokens, running_tokens=running_tokens)
+
+
+def request(prompt: list[int], matched: dict[str, int] | None = None, now: float = 0.0, live: bool = True,
+            in_flight: Counter | None = None) -> RoutingInput:
+    return RoutingInput(prompt, hash_blocks(prompt, 16, "m"), dict(in_flight or {}), matched or {},
+                        prefix_index_live=live, now=now)
+
+
+def burst(policy, cluster: list[SchedulerInfo], num_requests: int, matched: dict[str, int] | None = None) -> Counter:
+    """num_requests of one prefix within milliseconds, all still in flight: where each went."""
+    picks: Counter = Counter()
+    for i in range(num_requests):
+        picks[policy(cluster, request(question(i), matched, now=0.001 * i, in_flight=picks))[0].scheduler_id] += 1
+    return picks
+
+
+def question(i: int) -> list[int]:
+    return PREFIX + [40_000 + i] * 16
+
+
+def test_a_cache_hit_wins_until_the_holders_queue_outweighs_prefilling_the_prompt_elsewhere():
+    policy = CacheAwarePolicy()
+    holder_light, cold = info("holder", waiting_tokens=600), info("cold")
+    assert policy([holder_light, cold], request(question(0), {"holder": 64}))[0] is holder_light
+    policy = CacheAwarePolicy()
+    holder_busy = info("holder", waiting_tokens=1200)          # more queued work than the 1,040-token prompt
+    assert policy([holder_busy, cold], request(question(0), {"holder": 64}))[0] is cold
+
+
+def test_a_hot_prefix_spreads_over_more_schedulers_as_its_load_grows_instead_of_piling_onto_one():
+    def picks(num_requests: int) -> Counter:
+        return burst(CacheAwarePolicy(), [info(f"s{i}") for i in range(8)], num_requests, {"s0": 64})
+
+    few = picks(12)
+    assert few["s0"] >= 6 and len(few) >= 2                    # cheap hits on the holder first, then others
+    assert few["s0"] > 2 * max(n for s, n in few.items() if s != "s0")
+    many = picks(60)
+    assert many["s0"] < 30 and len(many) == 8                   # the holder takes a share, not all
+    assert min(many.values()) >= 2                              # every new holder is reused, not sprayed once
+
+
+def test_a_burst_of_one_cold_prefix_spreads_by_the_routers_own_decisions_between_heartbeats():
+    cluster = [info(f"s{i}") for i in range(4)]                # stale heartbeats: every scheduler looks idle
+    assert len(burst(cache_aware, cluster, 7)) == 1            # without its own decisions: all piled onto one
+    picks = burst(CacheAwarePolicy(), cluster, 7)
+    assert len(picks) >= 2 and max(picks.values()) <= 4
+    finished = CacheAwarePolicy()                             # the same prefix, each request done before the next
+    assert len({finished(cluster, request(question(i), now=0.001 * i))[0].scheduler_id for i in range(16)}) == 1
+
+
+def test_approximate_policy_learns_where_it_sent_a_prefix_without_any_prefix_index():
+    cluster = [info(f"s{i}") for i in range(4)]
+    winner = max(cluster, key=lambda c: rendezvous_weight(c.scheduler_id, hash_blocks(PREFIX, 16, "m")[0]))
+    loaded = [info(c.scheduler_id, waiting_tokens=5000 if c is winner else 0) for c in cluster]
+    policy = POLICIES["approximate"]()
+    first = policy(loaded, request(question(0)))[0]
+    assert first is not winner
+    later = request(question(1), now=60.0)                     # long after: no recent work, only the history
+    assert policy(cluster, later)[0].scheduler_id == first.scheduler_id
+    assert POLICIES["approximate"]()(cluster, later)[0].scheduler_id == winner.scheduler_id   # a fresh one can't
+
+
+def test_with_the_prefix_index_down_cache_aware_routes_by_its_own_history():
+    cluster = [info(f"s{i}") for i in range(4)]
+    policy = CacheAwarePolicy()
+    first = policy([info(c.scheduler_id, waiting_tokens=0 if i == 2 else 900) for i, c in enumerate(cluster)],
+                   request(question(0)))[0]
+    assert first.scheduler_id == "s2"
+    down = request(question(1), {"s3": 64}, now=60.0, live=False)   # what Redis said last is not trusted
+    assert policy(cluster, down)[0].scheduler_id == "s2"
+    up = request(question(2), {"s3": 64}, now=120.0, live=True)
+    assert policy(cluster, up)[0].scheduler_id == "s3"
+
+
+def test_history_forgets_the_least_recently_sent_blocks_beyond_its_capacity():
+    history = RoutingHistory(capacity_blocks=64)
+    old, new = hash_blocks(PREFIX, 16, "m"), hash_blocks(list(range(5000, 6024)), 16, "m")
+    history.record("a", old, 10, now=0.0)
+    assert history.matched_blocks(old) == {"a": 64}
+    history.record("a", new, 10, now=1.0)
+    assert history.matched_blocks(old) == {}
+    assert history.matched_blocks(new) == {"a": 64}
+    assert history.recent_work("a", now=1.5, window_s=1.0, in_flight=1) == 10
+    assert history.recent_work("a", now=1.5, window_s=1.0, in_flight=0) == 0
+
+
+def test_random_policy_is_a_seeded_permutation_that_uses_every_scheduler():
+    cluster = [info(f"s{i}") for i in range(4)]
+    first, second = POLICIES["random"](7), POLICIES["random"](7)
+    picks = [first(cluster, request(question(0)))[0].scheduler_id for _ in range(40)]
+    assert picks == [second(cluster, request(question(0)))[0].scheduler_id for _ in range(40)]
+    assert set(picks) == {"s0", "s1", "s2", "s3"}
+    assert sorted(c.scheduler_id for c in first(cluster, request(question(0)))) == ["s0", "s1", "s2", "s3"]
