@@ -1,4 +1,4 @@
-"""`ferry bench offline | serve | memory | prefix | split`."""
+"""`ferry bench offline | serve | memory | prefix | split | cluster`."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +55,25 @@ def add_bench_parser(sub) -> None:
     prefix.add_argument("--device", default="", help="passed to ferry up (default: its own)")
     prefix.set_defaults(handler=run_prefix)
     add_split_parser(bench)
+    add_cluster_parser(bench)
+
+
+def add_cluster_parser(bench) -> None:
+    cluster = bench.add_parser("cluster", help="issue 18: routing policies on a simulated cluster of N real "
+                                               "schedulers (discrete-event clock, step cost model, no workers)")
+    add_workload_args(cluster)
+    cluster.set_defaults(workload="tenants", num_requests=2000)
+    cluster.add_argument("--num-schedulers", default="16", help="comma list, e.g. 16,64")
+    cluster.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware")
+    cluster.add_argument("--rates-per-scheduler", default="0.5,1,2",
+                         help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
+    cluster.add_argument("--profile", default="cpu", choices=("cpu", "h100_llama8b"),
+                         help="step cost model (benchmarks/cost_model.py)")
+    cluster.add_argument("--kv-blocks", type=int, default=0, help="KV pool per scheduler in blocks of 16 "
+                                                                   "(0: the profile's)")
+    cluster.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
+    cluster.add_argument("--plot-dir", type=Path)
+    cluster.set_defaults(handler=run_cluster)
 
 
 def add_split_parser(bench) -> None:
@@ -169,6 +188,24 @@ def run_prefix(args) -> int:
 
     requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
     report(args, run(args, requests))
+    return 0
+
+
+def run_cluster(args) -> int:
+    from benchmarks.cluster_bench import RunSpec, claims, sweep, table
+
+    requests = load_requests(args)
+    specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed)
+             for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
+             for policy in args.policies.split(",")]
+    runs = sweep(specs, requests)
+    print(table(runs), file=sys.stderr, flush=True)
+    if args.plot_dir:
+        from benchmarks.plots import cluster_sweep
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{args.profile}.png")
+    report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
+                  "profile": args.profile, "runs": runs, "claims": claims(runs)})
     return 0
 
 

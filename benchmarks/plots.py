@@ -47,3 +47,26 @@ def ttft_distribution(ttfts: list[float], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def cluster_sweep(runs: list[dict], path: Path) -> None:
+    """Per cluster size: output tok/s and p90 TTFT against the request rate, one line per policy."""
+    plt = pyplot()
+    sizes = sorted({r["num_schedulers"] for r in runs})
+    fig, axes = plt.subplots(2, len(sizes), figsize=(6 * len(sizes), 8), squeeze=False)
+    for column, size in enumerate(sizes):
+        for policy in dict.fromkeys(r["policy"] for r in runs):
+            points = sorted((r["request_rate"], r) for r in runs if r["num_schedulers"] == size
+                            and r["policy"] == policy and r["ttft_s"])
+            rates = [rate for rate, _ in points]
+            axes[0][column].plot(rates, [r["output_tokens_per_s"] for _, r in points], marker="o", label=policy)
+            axes[1][column].plot(rates, [r["ttft_s"]["p90"] for _, r in points], marker="o", label=policy)
+        axes[0][column].set_title(f"{size} schedulers")
+        axes[0][column].set_ylabel("output tokens/s")
+        axes[1][column].set_ylabel("TTFT p90 (s)")
+        axes[1][column].set_yscale("log")
+        axes[1][column].set_xlabel("request rate (req/s)")
+        axes[0][column].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

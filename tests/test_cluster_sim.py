@@ -1,0 +1,113 @@
+"""The cluster simulation: cost model and event loop on small cases with known answers, real schedulers and
+policies inside, and a small `ferry bench cluster` run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
+from benchmarks.cost_model import PROFILES, StepWork, chunk_work, step_work
+from protos import worker_pb2
+from protos.block_hash import hash_blocks
+from router.policy import POLICIES
+
+SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,
+                           decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64)
+SECONDS_PER_PREFILL_TOKEN = replace(SECONDS_PER_STEP, name="prefill_only", fixed_s=0.0, prefill_token_s=0.01)
+
+
+def test_a_chunk_reads_the_context_before_each_of_its_rows():
+    assert chunk_work(0, 4) == StepWork(prefill_tokens=4, context_tokens=1 + 2 + 3 + 4)
+    assert chunk_work(10, 1) == StepWork(decode_seqs=1, context_tokens=11)
+    assert chunk_work(16, 3) == StepWork(prefill_tokens=3, context_tokens=17 + 18 + 19)
+
+
+def test_step_cost_adds_fixed_prefill_decode_and_context_terms():
+    profile = replace(PROFILES["cpu"], fixed_s=0.5, prefill_token_s=0.1, decode_seq_s=0.01, context_token_s=0.001)
+    assert profile.step_seconds(StepWork(prefill_tokens=10, decode_seqs=3, context_tokens=100)) == pytest.approx(
+        0.5 + 1.0 + 0.03 + 0.1)
+    assert profile.step_seconds(StepWork()) == 0.0        # a step that only frees sequences runs no forward
+
+
+def test_step_work_reads_new_and_cached_sequences_of_a_step():
+    step = worker_pb2.StepRequest()
+    step.new_seqs.add(seq_id="a", num_computed_tokens=0, num_scheduled_tokens=4)
+    step.cached_seqs.add(seq_id="b", num_computed_tokens=10, num_scheduled_tokens=1)
+    assert step_work(step) == StepWork(prefill_tokens=4, decode_seqs=1, context_tokens=10 + 11)
+
+
+def one_scheduler(profile=SECONDS_PER_STEP, policy: str = "round_robin", num_schedulers: int = 1) -> ClusterSim:
+    return ClusterSim(num_schedulers, profile, POLICIES[policy]())
+
+
+def test_one_request_takes_one_step_per_token_and_its_first_token_ends_the_prefill_step():
+    sim = one_scheduler()
+    [request] = sim.run([SimRequest("r", 0.5, list(range(100, 132)), max_tokens=3)])
+    assert (request.first_token_s, request.finished_s, request.num_output_tokens) == (1.5, 3.5, 3)
+    assert sim.nodes["sched-00"].busy_s == 3.0
+
+
+def test_a_request_arriving_while_another_runs_joins_the_next_step():
+    sim = one_scheduler()
+    first, second = sim.run([SimRequest("a", 0.0, list(range(100, 132)), 4),
+                             SimRequest("b", 0.2, list(range(200, 232)), 2)])
+    assert first.finished_s == 4.0
+    assert (second.first_token_s, second.finished_s) == (2.0, 3.0)
+
+
+def test_a_later_request_finds_the_shared_prefix_cached_and_prefills_only_the_rest():
+    sim = one_scheduler(SECONDS_PER_PREFILL_TOKEN)
+    prefix = list(range(100, 132))                        # two full blocks
+    first, second = sim.run([SimRequest("a", 0.0, prefix + list(range(500, 516)), 1),
+                             SimRequest("b", 10.0, prefix + list(range(600, 616)), 1)])
+    assert first.first_token_s - first.arrival_s == pytest.approx(48 * 0.01)
+    assert second.first_token_s - second.arrival_s == pytest.approx(16 * 0.01)
+    counters = sim.nodes["sched-00"].scheduler.block_manager.counters
+    assert (counters.queries, counters.hits) == (96, 32)
+
+
+def test_the_prefix_index_holds_what_the_schedulers_kv_events_published():
+    sim = one_scheduler()
+    prompt = list(range(100, 148))
+    sim.run([SimRequest("a", 0.0, prompt, 1)])
+    hashes = hash_blocks(prompt, BLOCK_SIZE, MODEL)
+    assert sim.index.matches(hashes, set(sim.nodes)) == {"sched-00": 3}
+    assert sim.nodes["sched-00"].scheduler.block_manager.cached.keys() >= set(hashes)
+
+
+@pytest.mark.parametrize("policy, second_hits", [("cache_aware", True), ("round_robin", False)])
+def test_the_real_policy_picks_among_simulated_schedulers(policy: str, second_hits: bool):
+    sim = one_scheduler(SECONDS_PER_PREFILL_TOKEN, policy, num_schedulers=2)
+    prefix = list(range(100, 164))
+    first, second = sim.run([SimRequest("a", 0.0, prefix + [7], 1), SimRequest("b", 5.0, prefix + [8], 1)])
+    assert (first.scheduler_id == second.scheduler_id) == second_hits
+    hits = sum(n.scheduler.block_manager.counters.hits for n in sim.nodes.values())
+    assert hits == (64 if second_hits else 0)
+
+
+def test_a_full_queue_sends_the_request_to_the_next_scheduler():
+    from scheduler.admission import AdmissionLimits
+
+    profile = replace(SECONDS_PER_STEP, max_num_seqs=1)
+    sim = ClusterSim(2, profile, POLICIES["cache_aware"](), limits=AdmissionLimits(max_queued_requests=1))
+    prompt = list(range(100, 132))
+    done = sim.run([SimRequest(f"r{i}", 0.0, prompt + [i], 2) for i in range(3)])
+    assert all(r.finished_s is not None for r in done)
+    assert len({r.scheduler_id for r in done}) == 2
+
+
+def test_ferry_bench_cluster_runs_a_small_sweep_and_writes_its_plot(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "cluster", "--num-schedulers", "2,3",
+                          "--num-requests", "30", "--rates-per-scheduler", "0.5,2", "--policies",
+                          "round_robin,cache_aware", "--plot-dir", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(out.stdout)
+    assert len(result["runs"]) == 2 * 2 * 2
+    assert all(r["completed"] == 30 and r["ttft_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+               for r in result["runs"])
+    assert set(result["claims"]) == {"2", "3"}
+    assert (tmp_path / "cluster_tenants_cpu.png").stat().st_size > 0
