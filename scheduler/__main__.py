@@ -43,7 +43,9 @@ def main() -> int:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: any free port")
-    parser.add_argument("--advertise-host", default="", help="host name routers use to reach this scheduler")
+    parser.add_argument("--advertise-host", default=os.environ.get("FERRY_ADVERTISE_HOST", ""),
+                        help="address routers use to reach this scheduler (default: $FERRY_ADVERTISE_HOST; "
+                             "empty: --host, or this host's IP when --host is 0.0.0.0)")
     parser.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", ""))
     parser.add_argument("--scheduler-id", default="")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0, help="seconds a registration lives")

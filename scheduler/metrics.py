@@ -26,6 +26,10 @@ from scheduler.core import RequestOutput
 
 log = logging.getLogger(__name__)
 StatsFn = Callable[[], scheduler_pb2.StatsResponse]
+# The Gateway API Inference Extension's endpoint picker reads a model server's load from vLLM's gauge names
+# (its defaults for queued requests, running requests and KV-cache usage, a fraction in 0..1): each load gauge
+# is served under both prefixes, so a Ferry scheduler can sit behind that gateway as a vLLM server would.
+LOAD_GAUGE_PREFIXES = ("ferry", "vllm")
 
 
 def kv_cache_usage(stats: scheduler_pb2.StatsResponse) -> float:
@@ -42,9 +46,7 @@ class StatsCollector:
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
-        yield self.gauge("ferry:num_requests_running", "Requests scheduled this step (running).", s.num_running)
-        yield self.gauge("ferry:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield self.gauge("ferry:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.", kv_cache_usage(s))
+        yield from self.load_gauges(s)
         yield self.counter("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                            s.prefix_cache_queries)
         yield self.counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -52,6 +54,14 @@ class StatsCollector:
         yield self.counter("ferry:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
         yield self.counter("ferry:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens_total)
         yield self.counter("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
+
+    def load_gauges(self, s: scheduler_pb2.StatsResponse) -> Iterator[GaugeMetricFamily]:
+        for prefix in LOAD_GAUGE_PREFIXES:
+            yield self.gauge(f"{prefix}:num_requests_running", "Requests scheduled this step (running).",
+                             s.num_running)
+            yield self.gauge(f"{prefix}:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+            yield self.gauge(f"{prefix}:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.",
+                             kv_cache_usage(s))
 
     def gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=self.labels[0])

@@ -89,13 +89,19 @@ class Registry:
 
     async def heartbeat(self) -> None:
         while True:
-            info = self.info_fn()
-            try:
-                await self.redis.set(scheduler_key(info.scheduler_id, self.prefix), info.to_json(),
-                                     px=int(self.ttl * 1000))
-            except Exception as e:   # Redis down: keep serving, retry next beat
-                log.warning("heartbeat to redis failed: %s", e)
+            await self.beat()
             await asyncio.sleep(self.ttl / 3)
+
+    async def beat(self) -> bool:
+        """Write this scheduler's registration once; False when Redis did not take it."""
+        info = self.info_fn()
+        try:
+            await self.redis.set(scheduler_key(info.scheduler_id, self.prefix), info.to_json(),
+                                 px=int(self.ttl * 1000))
+            return True
+        except Exception as e:   # Redis down: keep serving, retry next beat
+            log.warning("heartbeat to redis failed: %s", e)
+            return False
 
     async def publish_events(self) -> None:
         while True:

@@ -442,9 +442,12 @@ def reachable_ip() -> str:
 
 
 def advertised_address(options: ServeOptions, port: int) -> str:
+    """What the scheduler registers in Redis: --advertise-host (in Kubernetes, the pod IP), else the bound host."""
     host = options.advertise_host or options.host
     if host in ("0.0.0.0", "::", ""):
         host = reachable_ip()
+    if ":" in host and not host.startswith("["):   # an IPv6 literal
+        host = f"[{host}]"
     return f"{host}:{port}"
 
 
@@ -477,6 +480,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl) if options.redis_url else None
         if registry:
             loop.on_kv_events = registry.push_kv_events
+            await registry.beat()     # registered before SERVING: a readiness probe on health means routable
             registry.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await health_servicer.set("ferry.Scheduler", health_pb2.HealthCheckResponse.SERVING)
