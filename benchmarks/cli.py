@@ -50,7 +50,8 @@ def add_bench_parser(sub) -> None:
     prefix.add_argument("--num-prompts", type=int, default=64)
     prefix.add_argument("--max-concurrency", type=int, default=256)
     prefix.add_argument("--configs", default="single,single_no_prefix_cache,cache_aware_x2,round_robin_x2",
-                        help="comma list of the stacks to start")
+                        help="comma list of the stacks to start: single, single_no_prefix_cache and "
+                             "<policy>_x2 for cache_aware, round_robin, least_loaded, random, approximate")
     prefix.add_argument("--kv-cache-memory", type=int, default=0, help="bytes per scheduler (0: the default)")
     prefix.add_argument("--device", default="", help="passed to ferry up (default: its own)")
     prefix.set_defaults(handler=run_prefix)
@@ -203,7 +204,8 @@ def run_cluster(args) -> int:
     if args.plot_dir:
         from benchmarks.plots import cluster_sweep
         args.plot_dir.mkdir(parents=True, exist_ok=True)
-        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{args.profile}.png")
+        sizes = args.num_schedulers.replace(",", "-")
+        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{args.profile}_n{sizes}.png")
     report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
                   "profile": args.profile, "runs": runs, "claims": claims(runs)})
     return 0

@@ -1,4 +1,4 @@
-"""`ferry bench prefix`: issue 4's speed claims, each configuration a real `ferry up` stack.
+"""`ferry bench prefix`: issue 4's speed claims and issue 18's policies, each configuration a real `ferry up` stack.
 
 (a) TTFT and output tok/s with prefix caching vs `--no-prefix-caching` on one scheduler;
 (b) the prefix hit rate (prefix-cache hit tokens / looked-up prompt tokens, from each scheduler's Stats RPC)
@@ -52,6 +52,9 @@ CONFIGS = {c.name: c for c in (
     StackConfig("single_no_prefix_cache", 1, "cache_aware", prefix_caching=False),
     StackConfig("cache_aware_x2", 2, "cache_aware"),
     StackConfig("round_robin_x2", 2, "round_robin"),
+    StackConfig("least_loaded_x2", 2, "least_loaded"),
+    StackConfig("random_x2", 2, "random"),
+    StackConfig("approximate_x2", 2, "approximate"),
 )}
 
 
@@ -106,8 +109,19 @@ def claims(runs: list[dict]) -> dict:
                 result[f"hit_rate_{name}/single"] = round(run["hit_rate"] / single, 3)
         if "hit_rate_cache_aware_x2/single" in result:
             result["hit_rate_target_90pct_met"] = result["hit_rate_cache_aware_x2/single"] >= 0.9
+        result.update(versus_round_robin(get("cache_aware_x2"), get("round_robin_x2")))
         out[rate] = result
     return out
+
+
+def versus_round_robin(cache_aware: dict | None, round_robin: dict | None) -> dict:
+    """Issue 18 on 2 schedulers: cache_aware's hit rate and output tok/s over round_robin's."""
+    if not (cache_aware and round_robin and cache_aware["hit_rate"] and round_robin["hit_rate"]
+            and round_robin["serve"]["output_tokens_per_s"]):
+        return {}
+    return {"hit_rate_cache_aware_x2/round_robin_x2": round(cache_aware["hit_rate"] / round_robin["hit_rate"], 3),
+            "tok_s_cache_aware_x2/round_robin_x2": round(cache_aware["serve"]["output_tokens_per_s"]
+                                                         / round_robin["serve"]["output_tokens_per_s"], 3)}
 
 
 def table(runs: list[dict]) -> str:

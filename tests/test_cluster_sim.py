@@ -110,4 +110,4 @@ def test_ferry_bench_cluster_runs_a_small_sweep_and_writes_its_plot(tmp_path):
     assert all(r["completed"] == 30 and r["ttft_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
                for r in result["runs"])
     assert set(result["claims"]) == {"2", "3"}
-    assert (tmp_path / "cluster_tenants_cpu.png").stat().st_size > 0
+    assert (tmp_path / "cluster_tenants_cpu_n2-3.png").stat().st_size > 0
