@@ -71,7 +71,8 @@ def new_conversation(rng: np.random.Generator, shape: MultiturnShape) -> Convers
 
 def next_turn(rng: np.random.Generator, shape: MultiturnShape, talk: Conversation) -> None:
     """The next prompt: the previous prompt, its answer, a new question."""
-    talk.prompt = talk.prompt + token_ids(rng, talk.answer_tokens) + token_ids(rng, length_in(rng, shape.question_tokens))
+    answer = token_ids(rng, talk.answer_tokens)
+    talk.prompt = talk.prompt + answer + token_ids(rng, length_in(rng, shape.question_tokens))
     talk.answer_tokens = length_in(rng, shape.max_tokens)
     talk.turns_left -= 1
 
