@@ -41,6 +41,12 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--plot-dir", type=Path)
     serve.set_defaults(handler=run_serve)
 
+    add_prefix_parser(bench)
+    add_split_parser(bench)
+    add_cluster_parser(bench)
+
+
+def add_prefix_parser(bench) -> None:
     prefix = bench.add_parser("prefix", help="issue 4: prefix caching on/off and hit rate across routing policies, "
                                              "each configuration a fresh `ferry up`")
     add_workload_args(prefix)
@@ -55,8 +61,6 @@ def add_bench_parser(sub) -> None:
     prefix.add_argument("--kv-cache-memory", type=int, default=0, help="bytes per scheduler (0: the default)")
     prefix.add_argument("--device", default="", help="passed to ferry up (default: its own)")
     prefix.set_defaults(handler=run_prefix)
-    add_split_parser(bench)
-    add_cluster_parser(bench)
 
 
 def add_cluster_parser(bench) -> None:
