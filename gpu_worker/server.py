@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ferry.telemetry import TRACING_OFF, Tracing, links_to, setup_tracing
+from gpu_worker.fault import crash_if_poisoned, poison_token
 from protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # a parallel region, so steps hopping between gRPC's handler threads would each bring their own team
         # of math threads, spinning against each other on the same cores.
         self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.poison_token = poison_token()   # tests only (gpu_worker/fault.py)
 
     def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
         try:
@@ -41,6 +43,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return response
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
+        crash_if_poisoned(request, self.poison_token)
         step = self.traced_step if request.traceparents else self.worker.step
         return self.compute.submit(step, request).result()
 

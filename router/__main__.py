@@ -9,6 +9,7 @@ import sys
 
 from router.openai_api import add_http_args
 from router.policy import POLICIES
+from router.retry import add_retry_args, retry_options
 from router.server import RouterOptions, serve
 
 
@@ -28,14 +29,19 @@ def main() -> int:
                         help="largest HTTP body or gRPC message accepted")
     parser.add_argument("--drain-timeout", type=float, default=RouterOptions.drain_timeout,
                         help="on SIGTERM, seconds in-flight streams get to finish")
+    add_retry_args(parser)
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     if not args.redis_url and not args.scheduler:
         parser.error("give --redis-url or at least one --scheduler")
+    try:
+        retry = retry_options(args)
+    except ValueError as e:
+        parser.error(str(e))
     options = RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
                             args.http_host, args.http_port, args.api_key, args.max_concurrent_requests,
-                            args.max_request_bytes, args.drain_timeout)
+                            args.max_request_bytes, args.drain_timeout, retry)
     return asyncio.run(serve(options))
 
 

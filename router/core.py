@@ -6,9 +6,10 @@ failures are RequestError with a gRPC status code and a reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,6 +22,7 @@ from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded
+from router.retry import RetryGovernor
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
 from scheduler.registry import SchedulerInfo
@@ -81,6 +83,23 @@ class StreamState:
 
 
 @dataclass
+class AttemptLog:
+    """One request's attempts so far: how many schedulers failed it and with what, how many were full."""
+    failures: int = 0
+    error: UpstreamError | None = None
+    failed_target: SchedulerInfo | None = None
+    retry_pending: bool = False
+    full: int = 0
+
+    def failed(self, target: SchedulerInfo, error: UpstreamError) -> None:
+        self.failures, self.error, self.failed_target, self.retry_pending = self.failures + 1, error, target, True
+
+    @property
+    def reason(self) -> str:
+        return self.error.message or self.error.code.name
+
+
+@dataclass
 class Router:
     directory: SchedulerDirectory
     policy: RoutingPolicy = least_loaded
@@ -89,10 +108,16 @@ class Router:
     max_concurrent_requests: int = 4096
     in_flight: int = 0
     connections: dict[str, SchedulerConnection] = field(default_factory=dict)   # by scheduler address
+    retries: RetryGovernor = field(default_factory=RetryGovernor)
 
-    async def generate(self, request: router_pb2.GenerateRequest,
-                       trace_parent: Context | None = None) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP)."""
+    def __post_init__(self) -> None:
+        self.telemetry.metrics.watch_breakers(self.retries.states)
+
+    async def generate(self, request: router_pb2.GenerateRequest, trace_parent: Context | None = None,
+                       hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP). With
+        `hold` (a caller that answers only at the end) nothing is yielded before the request is done, so a failed
+        scheduler's request can be retried at any point."""
         if self.in_flight >= self.max_concurrent_requests:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the router is at its limit of {self.max_concurrent_requests} concurrent requests; "
@@ -100,7 +125,7 @@ class Router:
         self.in_flight += 1
         observed = self.telemetry.start(trace_parent)
         try:
-            async for response in self.route_and_proxy(request, observed):
+            async for response in self.route_and_proxy(request, observed, hold):
                 observed.on_response(response)
                 yield response
         except RequestError as e:
@@ -110,8 +135,8 @@ class Router:
             self.in_flight -= 1
             observed.finish()
 
-    async def route_and_proxy(self, request: router_pb2.GenerateRequest,
-                              observed: RequestObservation) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def route_and_proxy(self, request: router_pb2.GenerateRequest, observed: RequestObservation,
+                              hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
         params = parse_sampling(request)
         candidates = self.candidates(request.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
@@ -121,16 +146,20 @@ class Router:
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
                                await self.directory.prefix_matches(candidates[0].model, hashes),
                                prefix_index_live=self.directory.prefix_index_live)
-        ranked = self.policy(candidates, routing)
-        state = StreamState(request.request_id or uuid.uuid4().hex, len(prompt_ids),
-                            [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
-                                                                params.include_stop_str_in_output))
-                             for _ in range(params.n)])
-        upstream = scheduler_pb2.ScheduleRequest(request_id=state.request_id, prompt_token_ids=prompt_ids,
+        plan = self.retries.plan(self.policy(candidates, routing))
+        request_id = request.request_id or uuid.uuid4().hex
+
+        def new_state() -> StreamState:   # a fresh one per attempt: a retry starts from the first token
+            return StreamState(request_id, len(prompt_ids),
+                               [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
+                                                                   params.include_stop_str_in_output))
+                                for _ in range(params.n)])
+
+        upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=params.to_proto())
-        observed.routed(state.request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
-                        ranked, routing.matched_blocks, len(hashes))
-        async for response in self.proxy(ranked, upstream, state, observed):
+        observed.routed(request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
+                        plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
+        async for response in self.proxy(plan.targets, upstream, new_state, observed, hold):
             yield response
 
     def connection(self, address: str) -> SchedulerConnection:
@@ -151,39 +180,88 @@ class Router:
             return serving
         return schedulers
 
-    async def proxy(self, ranked: list[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest,
-                    state: StreamState, observed: RequestObservation) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream from the first scheduler that takes the request; one that is down or full before the first
-        token is skipped for the next."""
-        full = 0
-        for target in ranked:
-            started = False
-            self.pending[target.scheduler_id] += 1
-            observed.attempt(target)
-            request = self.connection(target.address).submit(upstream, dict(observed.metadata))
+    async def proxy(self, targets: list[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest,
+                    new_state: Callable[[], StreamState], observed: RequestObservation,
+                    hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Stream from the first scheduler that takes the request. A full one is skipped for the next; one that
+        fails it (UNAVAILABLE, or its stream breaks) before any token reached the client is retried on the next,
+        within the retry limits; after that the failure is the client's."""
+        log = AttemptLog()
+        for target in targets:
+            if log.retry_pending:
+                self.allow_retry(log, observed)
+            sent, started_at = False, self.retries.clock()
             try:
-                async for message in request:
-                    response = state.on_response(message)
-                    if response is not None:
-                        started = True
+                async with contextlib.aclosing(self.attempt(target, upstream, new_state(), observed, hold)) as attempt:
+                    async for response in attempt:
+                        sent = True
                         yield response
-                    if state.done:
-                        return
-                return
             except UpstreamError as e:
-                if started or e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                    raise RequestError(e.code, e.message or e.code.name) from e
-                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    full += 1
-                else:
-                    self.directory.forget(target.scheduler_id)
-            finally:
-                request.close()   # client gone, stop string matched, or done: the scheduler aborts what remains
-                self.pending[target.scheduler_id] -= 1
-        if full:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"every scheduler tried ({full}) is at capacity; retry later")
-        raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
+                self.on_attempt_failed(target, e, started_at, sent, log, observed)
+                continue
+            self.retries.on_success(target.scheduler_id)
+            if log.failures:
+                observed.failed_over(target)
+            return
+        raise self.exhausted(log, observed)
+
+    async def attempt(self, target: SchedulerInfo, upstream: scheduler_pb2.ScheduleRequest, state: StreamState,
+                      observed: RequestObservation, hold: bool) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One scheduler's try at the request; with `hold`, its responses come out only once it is done."""
+        self.pending[target.scheduler_id] += 1
+        observed.attempt(target)
+        request = self.connection(target.address).submit(upstream, dict(observed.metadata))
+        held: list[router_pb2.GenerateResponse] = []
+        try:
+            async for message in request:
+                response = state.on_response(message)
+                if response is not None and hold:
+                    held.append(response)
+                elif response is not None:
+                    yield response
+                if state.done:
+                    break
+        finally:
+            request.close()   # client gone, stop string matched, or done: the scheduler aborts what remains
+            self.pending[target.scheduler_id] -= 1
+        for response in held:
+            yield response
+
+    def on_attempt_failed(self, target: SchedulerInfo, error: UpstreamError, started_at: float, sent: bool,
+                          log: AttemptLog, observed: RequestObservation) -> None:
+        """Note a failed attempt for the next one, or raise the request's final error."""
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent:
+            log.full += 1
+            return
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            raise RequestError(error.code, error.message or error.code.name) from error
+        if self.retries.on_failure(target.scheduler_id, started_at):
+            observed.breaker_opened(target.scheduler_id)
+        if error.connection_lost:
+            self.directory.forget(target.scheduler_id)
+        if sent:   # tokens reached the client: a retry would be a second answer
+            observed.not_retried("streamed")
+            raise RequestError(error.code, error.message or error.code.name) from error
+        log.failed(target, error)
+
+    def allow_retry(self, log: AttemptLog, observed: RequestObservation) -> None:
+        denied = self.retries.retry_denied(log.failures)
+        if denied is not None:
+            observed.not_retried(denied.label)
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{log.reason} (not retried: {denied.reason})")
+        log.retry_pending = False
+        observed.retried(log.failed_target, log.reason)
+
+    @staticmethod
+    def exhausted(log: AttemptLog, observed: RequestObservation) -> RequestError:
+        if log.full:
+            return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"every scheduler tried ({log.full}) is at capacity; retry later")
+        if log.retry_pending:
+            observed.not_retried("no_scheduler")
+            return RequestError(grpc.StatusCode.UNAVAILABLE,
+                                f"{log.reason} (not retried: no other scheduler to try)")
+        return RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
 
 
 def parse_sampling(request: router_pb2.GenerateRequest) -> SamplingParams:

@@ -7,7 +7,7 @@ where the client sees them: from the request's arrival at the router to each tok
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ferry.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
@@ -43,9 +44,34 @@ class RouterMetrics:
                               ["code"], registry=r)
         self.prompt_tokens = Counter("ferry:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("ferry:generation_tokens", "Tokens streamed to clients.", registry=r)
+        self.retries = Counter("ferry:router_retries", "Requests sent again after this scheduler failed them "
+                               "before any token reached the client.", ["scheduler_id"], registry=r)
+        self.failovers = Counter("ferry:router_failovers", "Requests this scheduler completed after another one "
+                                 "failed them.", ["scheduler_id"], registry=r)
+        self.retries_denied = Counter("ferry:router_retries_denied", "Failed requests not sent again, by why: "
+                                      "streamed (tokens already out), attempts, budget, no_scheduler.",
+                                      ["reason"], registry=r)
+        self.breaker_trips = Counter("ferry:router_breaker_trips", "Times this scheduler's circuit breaker opened.",
+                                     ["scheduler_id"], registry=r)
+
+    def watch_breakers(self, states: Callable[[], Mapping[str, int]]) -> None:
+        """Publish each scheduler's breaker state as read at scrape time (it moves with the clock)."""
+        self.registry.register(BreakerStateCollector(states))
 
     async def endpoint(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass(eq=False)   # hashable: the registry keys collectors by identity
+class BreakerStateCollector:
+    states: Callable[[], Mapping[str, int]]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("ferry:router_breaker_state", "Circuit breaker per scheduler: 0 closed, "
+                                   "1 open (skipped), 2 half-open (on trial).", labels=["scheduler_id"])
+        for scheduler_id, state in sorted(self.states().items()):
+            family.add_metric([scheduler_id], int(state))
+        yield family
 
 
 @dataclass
@@ -86,14 +112,33 @@ class RequestObservation:
             self.metadata = inject_metadata(self.span)
 
     def routed(self, request_id: str, policy: str, num_prompt_tokens: int, ranked: Sequence[SchedulerInfo],
-               matched_blocks: Mapping[str, int], num_prompt_blocks: int) -> None:
+               matched_blocks: Mapping[str, int], num_prompt_blocks: int, breaker_open: Sequence[str] = ()) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         if self.span is not None:
             self.span.set_attributes({
                 "ferry.request_id": request_id, "ferry.num_prompt_tokens": num_prompt_tokens,
                 "ferry.route.policy": policy, "ferry.route.num_prompt_blocks": num_prompt_blocks,
                 "ferry.route.candidates": [info.scheduler_id for info in ranked],
-                "ferry.route.prefix_blocks_matched": [matched_blocks.get(info.scheduler_id, 0) for info in ranked]})
+                "ferry.route.prefix_blocks_matched": [matched_blocks.get(info.scheduler_id, 0) for info in ranked],
+                "ferry.route.breaker_open": list(breaker_open)})
+
+    def retried(self, failed: SchedulerInfo, reason: str) -> None:
+        self.telemetry.metrics.retries.labels(failed.scheduler_id).inc()
+        if self.span is not None:
+            self.span.add_event("retry", {"ferry.failed_scheduler": failed.scheduler_id, "ferry.reason": reason})
+
+    def failed_over(self, target: SchedulerInfo) -> None:
+        self.telemetry.metrics.failovers.labels(target.scheduler_id).inc()
+
+    def not_retried(self, reason: str) -> None:
+        self.telemetry.metrics.retries_denied.labels(reason).inc()
+        if self.span is not None:
+            self.span.set_attribute("ferry.retry_denied", reason)
+
+    def breaker_opened(self, scheduler_id: str) -> None:
+        self.telemetry.metrics.breaker_trips.labels(scheduler_id).inc()
+        if self.span is not None:
+            self.span.add_event("breaker_opened", {"ferry.scheduler": scheduler_id})
 
     def attempt(self, target: SchedulerInfo) -> None:
         self.telemetry.metrics.routed.labels(target.scheduler_id).inc()

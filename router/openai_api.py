@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 B = TypeVar("B", bound=BaseModel)
 
-GenerateFn = Callable[[router_pb2.GenerateRequest], AsyncIterator[router_pb2.GenerateResponse]]
+GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False)
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                   common_pb2.FINISH_REASON_ABORT: "abort"}
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -471,12 +471,13 @@ class OpenAIServer:
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:
-        responses = await started(self.generate(generate_request))
         if stream:
+            responses = await started(self.generate(generate_request))
             return StreamingResponse(sse_events(responses, fmt, num_samples), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:
-            collected = await unless_disconnected(request, collect(responses, num_samples))
+        try:   # held to the end by the router, so a failed scheduler's work can be retried at any point
+            collected = await unless_disconnected(request, collect(self.generate(generate_request, hold=True),
+                                                                   num_samples))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(fmt.body(collected))

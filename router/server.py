@@ -18,6 +18,7 @@ from router.discovery import SchedulerDirectory
 from router.metrics import RouterTelemetry
 from router.openai_api import MAX_REQUEST_BYTES, RETRY_AFTER_S, HttpServer, create_app, directory_models, serve_http
 from router.policy import POLICIES
+from router.retry import RetryGovernor, RetryOptions
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class RouterOptions:
     max_concurrent_requests: int = 4096  # more get RESOURCE_EXHAUSTED / 429
     max_request_bytes: int = MAX_REQUEST_BYTES
     drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds in-flight streams get to finish
+    retry: RetryOptions = field(default_factory=RetryOptions)
 
 
 async def serve(options: RouterOptions) -> int:
@@ -75,7 +77,7 @@ async def serve(options: RouterOptions) -> int:
     await directory.start()
     tracing = setup_tracing("ferry-router")
     router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing),
-                    max_concurrent_requests=options.max_concurrent_requests)
+                    max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry))
     http = None
     if options.http_port:
         app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None,

@@ -17,12 +17,14 @@ CLOSE = None   # ends a stream's outgoing messages
 
 
 class UpstreamError(Exception):
-    """How a request ended on the scheduler's side, as a gRPC status."""
+    """How a request ended on the scheduler's side, as a gRPC status; `connection_lost` when the Connect stream
+    itself broke (the scheduler may be gone), rather than the scheduler failing this request."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, connection_lost: bool = False):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.connection_lost = connection_lost
 
 
 class UpstreamRequest:
@@ -115,7 +117,7 @@ class SchedulerConnection:
         self.outgoing = None
         failed, self.requests = self.requests, {}
         for upstream in failed.values():
-            upstream.fail(UpstreamError(grpc.StatusCode.UNAVAILABLE, reason))
+            upstream.fail(UpstreamError(grpc.StatusCode.UNAVAILABLE, reason, connection_lost=True))
 
 
 async def outgoing_messages(queue: asyncio.Queue) -> AsyncIterator[scheduler_pb2.ConnectRequest]:

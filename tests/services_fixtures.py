@@ -74,7 +74,8 @@ def start_redis(stack: Stack, port: int) -> subprocess.Popen:
 
 
 def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple[str, ...] = ("--http-port", "0"),
-                   **scheduler_flags: str) -> ServiceStack:
+                   scheduler_env: dict[str, str] | None = None, **scheduler_flags: str) -> ServiceStack:
+    """scheduler_env: extra environment for the schedulers (and so their workers)."""
     stack = Stack()
     try:
         redis_port = free_port()
@@ -88,7 +89,7 @@ def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple
             port = free_port()
             args = [sys.executable, "-m", "scheduler", "--port", str(port), "--scheduler-id", f"sched-{i}"]
             schedulers.append(stack.start(args + [a for kv in flags.items() for a in kv], f"scheduler {i}",
-                                          env=CHILD_ENV))
+                                          env={**CHILD_ENV, **(scheduler_env or {})}))
             addresses.append(f"127.0.0.1:{port}")
         for address in addresses:
             wait_for_health(address, stack, timeout=180)

@@ -1,0 +1,253 @@
+"""A crashed worker loses no request that another scheduler could have served: real schedulers, workers, Redis and
+router; workers SIGKILLed mid-run, or killed by a poisoned request (gpu_worker/fault.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ferry.launcher import free_port
+from ferry.sampling_params import SamplingParams
+from gpu_worker.fault import CRASH_ON_TOKEN_ENV
+from protos import router_pb2
+from router.tokenizer import load_tokenizer
+from tests.services_fixtures import ServiceStack, child_pids, greedy, start_services, wait_until
+
+PROMPTS = [f"Failover prompt {i}: a crashed worker loses nothing" for i in range(6)]
+MAX_TOKENS = 48
+KINDS = ("grpc", "sse", "http")          # streamed over gRPC, streamed over HTTP (SSE), held to the end (HTTP)
+POISON = 300                              # a token id the fault-injected workers die on
+
+
+@dataclass
+class Cluster:
+    services: ServiceStack
+    http: str
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        text = httpx.get(self.http + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        return sum(v for (n, sample_labels), v in self.metrics().items()
+                   if n == name and set(labels.items()) <= set(sample_labels))
+
+    def breaker_states(self) -> dict[str, int]:
+        return {dict(labels)["scheduler_id"]: int(v) for (n, labels), v in self.metrics().items()
+                if n == "ferry:router_breaker_state"}
+
+    def worker_of(self, index: int) -> int:
+        return child_pids(self.services.schedulers[index].pid)[0]
+
+    def stop(self) -> None:
+        self.services.stop()
+
+
+def start_cluster(model_dir, num_schedulers: int, *router_flags: str, scheduler_env: dict | None = None,
+                  **scheduler_flags: str) -> Cluster:
+    http_port = free_port()
+    services = start_services(model_dir, num_schedulers, ("--http-port", str(http_port), "--policy", "round_robin",
+                                                           *router_flags), scheduler_env, **scheduler_flags)
+    cluster = Cluster(services, f"http://127.0.0.1:{http_port}")
+    wait_until(lambda: httpx.get(cluster.http + "/health").status_code == 200, "HTTP health")
+    return cluster
+
+
+@dataclass
+class Outcome:
+    kind: str
+    prompt: int
+    ok: bool
+    text: str = ""                            # what reached the client
+    token_ids: list[int] = field(default_factory=list)   # gRPC only
+    num_tokens: int = 0                       # tokens that reached the client
+    error: str = ""                           # status / error event message
+    status: str = ""                          # gRPC code name or HTTP status
+    seconds: float = 0.0
+
+
+def run_grpc(cluster: Cluster, prompt: int, max_tokens: int) -> Outcome:
+    outcome = Outcome("grpc", prompt, False)
+    call = cluster.services.router().Generate(router_pb2.GenerateRequest(
+        text=PROMPTS[prompt], sampling=greedy(max_tokens, ignore_eos=True)), timeout=120)
+    try:
+        for message in call:
+            outcome.token_ids += message.token_ids
+            outcome.text += message.text
+        outcome.ok, outcome.status = True, "OK"
+    except grpc.RpcError as e:
+        outcome.status, outcome.error = e.code().name, e.details() or ""
+    outcome.num_tokens = len(outcome.token_ids)
+    return outcome
+
+
+def run_sse(cluster: Cluster, prompt: int, max_tokens: int) -> Outcome:
+    """logprobs=0 makes every token its own event, so the client sees each one as it is sent."""
+    outcome = Outcome("sse", prompt, False)
+    body = {"prompt": PROMPTS[prompt], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 0}
+    with httpx.stream("POST", cluster.http + "/v1/completions", json=body, timeout=120) as response:
+        outcome.status = str(response.status_code)
+        if response.status_code != 200:
+            outcome.error = json.loads(response.read())["error"]["message"]
+            return outcome
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    for event in map(json.loads, events[:-1]):
+        if "error" in event:
+            outcome.error = event["error"]["message"]
+            return outcome
+        outcome.text += event["choices"][0]["text"]
+        outcome.num_tokens += len(event["choices"][0]["logprobs"]["tokens"])
+    outcome.ok = True
+    return outcome
+
+
+def run_http(cluster: Cluster, prompt: int | list[int], max_tokens: int) -> Outcome:
+    outcome = Outcome("http", prompt if isinstance(prompt, int) else -1, False)
+    body = {"prompt": PROMPTS[prompt] if isinstance(prompt, int) else prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    response = httpx.post(cluster.http + "/v1/completions", json=body, timeout=120)
+    outcome.status = str(response.status_code)
+    if response.status_code != 200:
+        outcome.error = response.json()["error"]["message"]
+        return outcome
+    outcome.ok, outcome.text = True, response.json()["choices"][0]["text"]
+    outcome.num_tokens = response.json()["usage"]["completion_tokens"]
+    return outcome
+
+
+RUNNERS = {"grpc": run_grpc, "sse": run_sse, "http": run_http}
+
+
+def timed(run, *args) -> Outcome:
+    started = time.monotonic()
+    outcome = run(*args)
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir) -> tuple[list[list[int]], list[str]]:
+    """The engine's greedy tokens for each prompt, and their text as the router renders it."""
+    from ferry.config import EngineConfig
+    from ferry.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
+    token_ids = [r.token_ids for r in engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                               ignore_eos=True))]
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    return token_ids, [tokenizer.decode(ids) for ids in token_ids]
+
+
+def busy(cluster: Cluster, index: int) -> bool:
+    stats = cluster.services.scheduler_stats(cluster.services.scheduler_addresses[index])
+    return stats.num_running >= 2 and stats.num_waiting >= 1
+
+
+def steady_stream(cluster: Cluster, count: int, kill_when, kill) -> list[Outcome]:
+    """count requests of every kind, 12 at a time; `kill` runs once, as soon as `kill_when` holds."""
+    cases = [(KINDS[i % len(KINDS)], i % len(PROMPTS)) for i in range(count)]
+    killed = threading.Event()
+
+    def watch() -> None:
+        wait_until(kill_when, "the victim busy", timeout=120)
+        kill()
+        killed.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with ThreadPoolExecutor(12) as pool:
+        outcomes = list(pool.map(lambda case: timed(RUNNERS[case[0]], cluster, case[1], MAX_TOKENS), cases))
+    watcher.join(timeout=5)
+    assert killed.is_set(), "the worker was never killed: the test proved nothing"
+    return outcomes
+
+
+def test_killed_worker_loses_no_request_another_scheduler_could_serve(tiny_llama_dir, expected):
+    expected_ids, expected_text = expected
+    cluster = start_cluster(tiny_llama_dir, 2, **{"--max-num-seqs": "4"})
+    try:
+        victim = cluster.worker_of(1)
+        outcomes = steady_stream(cluster, 72, lambda: busy(cluster, 1), lambda: os.kill(victim, signal.SIGKILL))
+        for o in outcomes:
+            if o.ok:        # exactly the engine's answer, once: no token lost, repeated or from two attempts
+                assert o.text == expected_text[o.prompt] and o.num_tokens == MAX_TOKENS, o
+                assert o.kind != "grpc" or o.token_ids == expected_ids[o.prompt], o
+            else:           # only a stream whose tokens had started may fail, and it says why
+                assert o.kind != "http", o
+                assert o.num_tokens > 0 and expected_text[o.prompt].startswith(o.text), o
+                assert "worker step failed" in o.error and o.status in ("UNAVAILABLE", "200"), o
+        print("failover outcomes:", sorted((o.kind, o.ok) for o in outcomes))
+        assert any(not o.ok for o in outcomes), "no stream was cut mid-way: the kill came too late"
+        retries = cluster.metric("ferry:router_retries_total")
+        assert retries >= 1 and cluster.metric("ferry:router_failovers_total") == retries
+        assert cluster.metric("ferry:request_success_total") == sum(o.ok for o in outcomes)
+        wait_until(cluster.services.idle, "KV back to 0 on both schedulers", timeout=30)
+        assert cluster.worker_of(1) != victim
+    finally:
+        cluster.stop()
+
+
+def test_lone_scheduler_fails_in_flight_requests_promptly_without_retrying(tiny_llama_dir):
+    cluster = start_cluster(tiny_llama_dir, 1, **{"--max-num-seqs": "2"})
+    try:
+        victim = cluster.worker_of(0)
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(timed, RUNNERS[KINDS[i % 3]], cluster, i, 900) for i in range(6)]
+            wait_until(lambda: busy(cluster, 0), "the scheduler busy", timeout=60)
+            killed_at = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            outcomes = [f.result(timeout=60) for f in futures]
+        answered_by = time.monotonic() - killed_at
+        assert answered_by < 15, answered_by                # no retry loop, no hang
+        for o in outcomes:   # mid-stream ones with the reason; the others also say they were not retried
+            assert not o.ok and o.status in ("UNAVAILABLE", "503", "200") and "worker step failed" in o.error, o
+            assert o.num_tokens > 0 or "not retried: no other scheduler" in o.error, o
+        assert {o.status for o in outcomes if o.kind == "http"} == {"503"}
+        assert cluster.metric("ferry:router_retries_total") == 0
+        assert cluster.metric("ferry:router_retries_denied_total", reason="no_scheduler") >= 1
+        wait_until(cluster.services.idle, "KV back to 0", timeout=30)
+        wait_until(lambda: run_http(cluster, 0, 4).ok, "the restarted worker serving again", timeout=60)
+    finally:
+        cluster.stop()
+
+
+def test_poisoned_request_is_retried_at_most_the_budget_and_breakers_open_and_close(tiny_llama_dir):
+    cluster = start_cluster(tiny_llama_dir, 3, "--retry-max-attempts", "2", "--breaker-failures", "1",
+                            "--breaker-cooldown", "5", scheduler_env={CRASH_ON_TOKEN_ENV: str(POISON)})
+    try:
+        workers = [cluster.worker_of(i) for i in range(3)]
+        outcome = run_http(cluster, [10, 11, POISON], 4)
+        assert outcome.status == "503" and "worker step failed" in outcome.error, outcome
+        assert "not retried: 2 attempts" in outcome.error, outcome
+        wait_until(lambda: all(child_pids(s.pid) for s in cluster.services.schedulers), "workers restarted")
+        crashed = [i for i in range(3) if cluster.worker_of(i) != workers[i]]
+        assert len(crashed) == 2, crashed                   # the first try and one retry, never the third
+        assert cluster.metric("ferry:router_retries_total") == 1
+        states = cluster.breaker_states()
+        assert sorted(states.values()) == [0, 1, 1], states
+        open_ids = [sid for sid, state in states.items() if state == 1]
+        routed_before = {sid: cluster.metric("ferry:router_requests_routed_total", scheduler_id=sid)
+                         for sid in open_ids}
+        assert all(run_http(cluster, i, 4).ok for i in range(3))
+        if cluster.metric("ferry:router_breaker_trips_total") == 2 and set(
+                cluster.breaker_states()[sid] for sid in open_ids) == {1}:   # still cooling down: skipped
+            assert {sid: cluster.metric("ferry:router_requests_routed_total", scheduler_id=sid)
+                    for sid in open_ids} == routed_before
+        wait_until(lambda: run_http(cluster, 0, 4).ok and set(cluster.breaker_states().values()) == {0},
+                   "every breaker closed again after its cool-down and a success", timeout=60)
+        assert cluster.metric("ferry:router_breaker_trips_total") >= 2
+        wait_until(cluster.services.idle, "KV back to 0", timeout=30)
+    finally:
+        cluster.stop()
