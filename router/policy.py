@@ -132,11 +132,18 @@ class CacheAwarePolicy:
         return ranked
 
     def matched_blocks(self, request: RoutingInput) -> dict[str, int]:
+        """The prefix index, and where it cannot know yet what this router sent: anything sent in the last
+        window (KV events not published yet), and, past the index's deepest match, where the router sent the
+        rest of the prefix at any time (no scheduler has computed those blocks yet: a request holding them is
+        still queued there, which under load takes longer than any window)."""
+        sent = self.history.matched_blocks(request.block_hashes)
         if not (self.use_prefix_index and request.prefix_index_live):
-            return self.history.matched_blocks(request.block_hashes)
-        recent = self.history.matched_blocks(request.block_hashes, request.now - self.recent_window_s)
+            return sent
         indexed = request.matched_blocks
-        return {s: max(indexed.get(s, 0), recent.get(s, 0)) for s in indexed.keys() | recent.keys()}
+        recent = self.history.matched_blocks(request.block_hashes, request.now - self.recent_window_s)
+        deepest = max(indexed.values(), default=0)
+        return {s: max(indexed.get(s, 0), recent.get(s, 0), sent.get(s, 0) if sent.get(s, 0) > deepest else 0)
+                for s in indexed.keys() | sent.keys()}
 
 
 def random_policy(seed: int | None = None) -> RoutingPolicy:

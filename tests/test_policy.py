@@ -89,6 +89,19 @@ def test_with_the_prefix_index_down_cache_aware_routes_by_its_own_history():
     assert policy(cluster, up)[0].scheduler_id == "s3"
 
 
+def test_where_the_index_knows_no_holder_the_router_trusts_where_it_sent_the_prefix_however_long_ago():
+    cluster = [info(f"s{i}") for i in range(4)]
+    winner = max(cluster, key=lambda c: rendezvous_weight(c.scheduler_id, hash_blocks(PREFIX, 16, "m")[0]))
+    policy = CacheAwarePolicy()
+    first = policy([info(c.scheduler_id, waiting_tokens=5000 if c is winner else 0) for c in cluster],
+                   request(question(0)))[0]
+    assert first is not winner
+    queued = request(question(1), {}, now=30.0)                # still queued there: nothing published yet
+    assert policy(cluster, queued)[0].scheduler_id == first.scheduler_id
+    computed_elsewhere = request(question(2), {winner.scheduler_id: 64}, now=60.0)
+    assert policy(cluster, computed_elsewhere)[0].scheduler_id == winner.scheduler_id
+
+
 def test_history_forgets_the_least_recently_sent_blocks_beyond_its_capacity():
     history = RoutingHistory(capacity_blocks=64)
     old, new = hash_blocks(PREFIX, 16, "m"), hash_blocks(list(range(5000, 6024)), 16, "m")
