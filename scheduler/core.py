@@ -294,7 +294,8 @@ class Scheduler:
             block_size=self.block_size, prefix_cache_queries=bm.counters.queries,
             prefix_cache_hits=bm.counters.hits, num_preemptions=self.counters.preemptions,
             num_evictions=bm.counters.evictions,
-            waiting_tokens=sum(s.num_tokens - s.num_computed_tokens for s in self.waiting),
+            waiting_tokens=sum(s.num_tokens - s.num_computed_tokens - len(bm.match_prefix(s)) * self.block_size
+                               for s in self.waiting),   # net of the prefix cache: the prefill the queue holds
             running_tokens=sum(s.num_tokens for s in self.running),
             prompt_tokens_total=self.counters.prompt_tokens, generation_tokens_total=self.counters.generation_tokens,
             num_steps=self.counters.steps)
