@@ -75,6 +75,7 @@ class Registry:
         self.events: asyncio.Queue[tuple[list[int], list[int]]] = asyncio.Queue(maxsize=1024)
         self.held: set[int] = set()
         self.tasks: list[asyncio.Task] = []
+        self.registered = asyncio.Event()   # set by the first heartbeat Redis took
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.heartbeat()), asyncio.create_task(self.publish_events())]
@@ -98,6 +99,7 @@ class Registry:
         try:
             await self.redis.set(scheduler_key(info.scheduler_id, self.prefix), info.to_json(),
                                  px=int(self.ttl * 1000))
+            self.registered.set()
             return True
         except Exception as e:   # Redis down: keep serving, retry next beat
             log.warning("heartbeat to redis failed: %s", e)

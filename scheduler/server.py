@@ -456,7 +456,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     config.validate()
     worker = WorkerProcess()
     tracing = setup_tracing("ferry-scheduler")
-    reporting = None
+    reporting = readiness = None
     try:
         info = await worker.start(config)
         loop = EngineLoop(config, worker, info, tracing, options.limits)
@@ -480,19 +480,28 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl) if options.redis_url else None
         if registry:
             loop.on_kv_events = registry.push_kv_events
-            await registry.beat()     # registered before SERVING: a readiness probe on health means routable
             registry.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await health_servicer.set("ferry.Scheduler", health_pb2.HealthCheckResponse.SERVING)
+        readiness = asyncio.create_task(report_ready(health_servicer, registry))
         print(f"scheduler {scheduler_id} serving {info.model_name} on {address} "
               f"({info.num_blocks} blocks of {info.block_size})", flush=True)
         await run_until_signalled(loop, server, health_servicer, registry, options.drain_timeout)
         return 1 if loop.failure else 0
     finally:
+        if readiness is not None:
+            readiness.cancel()
         if reporting is not None:
             await reporting.stop()
         await worker.stop()   # the loop restarts workers in place: this is always the current one
         tracing.shutdown()
+
+
+async def report_ready(health_servicer: health.aio.HealthServicer, registry: Registry | None) -> None:
+    """`ferry.Scheduler` turns SERVING once routers can find this scheduler: the model is loaded (the server only
+    starts then) and the first registration is in Redis. A readiness probe asks for it; "" is SERVING already."""
+    if registry is not None:
+        await registry.registered.wait()
+    await health_servicer.set("ferry.Scheduler", health_pb2.HealthCheckResponse.SERVING)
 
 
 async def run_until_signalled(loop: EngineLoop, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
