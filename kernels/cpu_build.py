@@ -4,9 +4,12 @@ FERRY_CPU_KERNELS=0 turns them all off; a build failure turns one off. Either wa
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -20,9 +23,25 @@ def build(name: str, source: str, extra_cflags: list[str]) -> ModuleType | None:
     # the build runs ninja, which pip installs beside this interpreter when the system has none
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
-        from torch.utils.cpp_extension import load
-        return load(name=name, sources=[str(SOURCES / source)], extra_cflags=["-O3", "-march=native", *extra_cflags],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        from torch.utils.cpp_extension import _get_build_directory, load
+        with build_lock(Path(_get_build_directory(name, verbose=False))):
+            return load(name=name, sources=[str(SOURCES / source)],
+                        extra_cflags=["-O3", "-march=native", *extra_cflags], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernel %s unavailable, using torch ops: %s", name, error)
         return None
+
+
+@contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """One builder at a time, by a lock the OS drops when its holder dies. torch's own lock is a file that a process
+    killed mid-build (a worker stopped while it compiled) leaves behind, and every later build waits on it forever:
+    whoever holds this lock knows such a file is stale and removes it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "ferry.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
