@@ -1,4 +1,5 @@
-// What Ferry's CPU extensions share: which AVX-512 subsets the build targets, and bf16's bit layout.
+// What Ferry's CPU extensions share: which vector extensions the build targets (AVX-512, else AVX2), and bf16's
+// bit layout.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,14 @@
 #include <immintrin.h>
 #else
 #define FERRY_AVX512 0
+#endif
+
+// AVX2 with FMA and F16C (x86-64-v3): the vector paths of machines without AVX-512
+#if !FERRY_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FERRY_AVX2 1
+#include <immintrin.h>
+#else
+#define FERRY_AVX2 0
 #endif
 
 namespace ferry {

@@ -13,8 +13,9 @@
 // head_dim is walked 32 elements at a time; a bf16 chunk is widened with a shift and a mask (even and odd
 // elements), the query and output rows being kept in that permuted order. Everything accumulates in fp32 from fp32
 // queries (bf16/fp16 K and V are widened on load), except that with AVX512-BF16 a bf16 query scores bf16 keys with
-// vdpbf16ps (exact bf16 products summed in fp32, the scale applied to the sums). Without AVX-512 a portable scalar
-// version of the same algorithm is used. Softmax is computed in base 2, with the query
+// vdpbf16ps (exact bf16 products summed in fp32, the scale applied to the sums). Without AVX-512 but with AVX2 (+FMA,
+// F16C) the same algorithm runs on 8-lane vectors in natural element order; without either, a portable scalar
+// version of it. Softmax is computed in base 2, with the query
 // pre-multiplied by scale * log2(e).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -364,6 +365,163 @@ void heads_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int6
 }
 #endif  // FERRY_AVX512
 
+#if FERRY_AVX2
+// ---------------------------------------------------------------------------------------------------------------
+// AVX2 path (+FMA, F16C): the same one-pass algorithm with 8-lane vectors, head_dim a multiple of 8, in natural
+// element order (a bf16 chunk of 8 is widened in place). A block's scores are per token two FMA chains over
+// head_dim, then 8 tokens' lane sums are reduced at once by a horizontal-add transpose.
+template <typename T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+template <>
+inline __m256 load8<at::Half>(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 2^x for -126 <= x <= 0 (smaller x is clamped): 2^round(x) built in the exponent bits, times polynomial(fraction)
+inline __m256 exp2_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);   // [-0.5, 0.5]
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);   // the AVX-512 path's polynomial
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// rows[j] holds the 8 lane-wise partial sums of token j: returns the 8 token totals, in token order.
+inline __m256 sum_rows8(const __m256* rows) {
+  const __m256 r01 = _mm256_hadd_ps(rows[0], rows[1]), r23 = _mm256_hadd_ps(rows[2], rows[3]);
+  const __m256 r45 = _mm256_hadd_ps(rows[4], rows[5]), r67 = _mm256_hadd_ps(rows[6], rows[7]);
+  const __m256 low = _mm256_hadd_ps(r01, r23), high = _mm256_hadd_ps(r45, r67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+inline float reduce_max8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float reduce_add8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// Scores of n (1..16) tokens' keys against TG query heads (q: fp32, scaled), in exp2 units, into scores[g][t];
+// tokens n..15 get kNegBig.
+template <typename T, int TG, int CHUNKS>
+inline void score_tokens_avx2(const T* k, int64_t k_token, int64_t n, const Layout& lay, const float* q,
+                              float (*scores)[16]) {
+  const int64_t pd = lay.padded_dim;
+  const int64_t chunks = CHUNKS ? CHUNKS : lay.head_dim / 8;
+  const int64_t halves = n > 8 ? 2 : 1;
+  for (int64_t t0 = 0; t0 < halves * 8; t0 += 8) {
+    __m256 lanes[TG][8];
+    for (int64_t j = 0; j < 8; ++j) {
+      __m256 da[TG], db[TG];
+      for (int g = 0; g < TG; ++g) da[g] = db[g] = _mm256_setzero_ps();
+      const T* row = k + std::min(t0 + j, n - 1) * k_token;   // past n: a valid row, masked below
+      int64_t c = 0;
+      for (; c + 1 < chunks; c += 2) {
+        const __m256 ka = load8<T>(row + c * 8), kb = load8<T>(row + c * 8 + 8);
+        for (int g = 0; g < TG; ++g) {
+          da[g] = _mm256_fmadd_ps(_mm256_load_ps(q + g * pd + c * 8), ka, da[g]);
+          db[g] = _mm256_fmadd_ps(_mm256_load_ps(q + g * pd + c * 8 + 8), kb, db[g]);
+        }
+      }
+      if (c < chunks) {
+        const __m256 ka = load8<T>(row + c * 8);
+        for (int g = 0; g < TG; ++g) da[g] = _mm256_fmadd_ps(_mm256_load_ps(q + g * pd + c * 8), ka, da[g]);
+      }
+      for (int g = 0; g < TG; ++g) lanes[g][j] = _mm256_add_ps(da[g], db[g]);
+    }
+    const __m256i index = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(t0));
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), index));
+    for (int g = 0; g < TG; ++g)
+      _mm256_store_ps(scores[g] + t0, _mm256_blendv_ps(_mm256_set1_ps(kNegBig), sum_rows8(lanes[g]), valid));
+  }
+  if (halves == 1)
+    for (int g = 0; g < TG; ++g) _mm256_store_ps(scores[g] + 8, _mm256_set1_ps(kNegBig));
+}
+
+// n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 8 when fixed at compile time, else 0.
+template <typename T, int TG, int CHUNKS>
+void group_avx2(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                int64_t first_head, State& st) {
+  const int64_t pd = lay.padded_dim;
+  const int64_t chunks = CHUNKS ? CHUNKS : lay.head_dim / 8;
+  alignas(32) float probs[TG][16];
+  score_tokens_avx2<T, TG, CHUNKS>(k, k_token, n, lay, st.q + first_head * pd, probs);
+  float correction[TG];
+  for (int g = 0; g < TG; ++g) {
+    const int64_t head = first_head + g;
+    const __m256 s0 = _mm256_load_ps(probs[g]), s1 = _mm256_load_ps(probs[g] + 8);
+    const float m_new = std::max(st.m[head], reduce_max8(_mm256_max_ps(s0, s1)));
+    const __m256 m = _mm256_set1_ps(m_new);
+    // tokens past n score kNegBig: exp2 clamps them to 2^-126 times the polynomial, so they are zeroed here
+    const __m256 p0 = exp2_ps(_mm256_sub_ps(s0, m)), p1 = exp2_ps(_mm256_sub_ps(s1, m));
+    const __m256 keep0 = _mm256_cmp_ps(s0, _mm256_set1_ps(kNegBig), _CMP_GT_OQ);
+    const __m256 keep1 = _mm256_cmp_ps(s1, _mm256_set1_ps(kNegBig), _CMP_GT_OQ);
+    _mm256_store_ps(probs[g], _mm256_and_ps(p0, keep0));
+    _mm256_store_ps(probs[g] + 8, _mm256_and_ps(p1, keep1));
+    correction[g] = std::exp2(st.m[head] - m_new);
+    st.m[head] = m_new;
+    st.l[head] = st.l[head] * correction[g] +
+                 reduce_add8(_mm256_add_ps(_mm256_load_ps(probs[g]), _mm256_load_ps(probs[g] + 8)));
+  }
+  // values: acc = acc * correction + sum_t p_t v_t, 8 elements of head_dim at a time; even and odd tokens go to
+  // separate accumulators (shorter dependency chains)
+  float* acc = st.acc + first_head * pd;
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256 odd[TG], even[TG];
+    for (int g = 0; g < TG; ++g) {
+      odd[g] = _mm256_mul_ps(_mm256_load_ps(acc + g * pd + c * 8), _mm256_set1_ps(correction[g]));
+      even[g] = _mm256_setzero_ps();
+    }
+    int64_t t = 0;
+    for (; t + 1 < n; t += 2) {
+      const __m256 va = load8<T>(v + t * v_token + c * 8), vb = load8<T>(v + (t + 1) * v_token + c * 8);
+      for (int g = 0; g < TG; ++g) {
+        odd[g] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][t]), va, odd[g]);
+        even[g] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][t + 1]), vb, even[g]);
+      }
+    }
+    if (t < n) {
+      const __m256 va = load8<T>(v + t * v_token + c * 8);
+      for (int g = 0; g < TG; ++g) odd[g] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][t]), va, odd[g]);
+    }
+    for (int g = 0; g < TG; ++g) _mm256_store_ps(acc + g * pd + c * 8, _mm256_add_ps(odd[g], even[g]));
+  }
+}
+
+template <typename T, int CHUNKS>
+void heads_avx2(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                int64_t first_head, State& st) {
+  for (int64_t g = 0; g < lay.group; g += 4) {
+    switch (std::min<int64_t>(4, lay.group - g)) {
+      case 1: group_avx2<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 2: group_avx2<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 3: group_avx2<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      default: group_avx2<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+    }
+  }
+}
+#endif  // FERRY_AVX2
+
 template <typename T>
 using HeadsFn = void (*)(const T*, const T*, int64_t, int64_t, int64_t, const Layout&, int64_t, State&);
 
@@ -381,12 +539,18 @@ HeadsFn<T> pick_heads(const Layout& lay, bool portable) {
     if (lay.head_dim == 128) return heads_avx512<T, 4>;
     return heads_avx512<T, 0>;
   }
+#elif FERRY_AVX2
+  if (!portable && lay.head_dim % 8 == 0) {
+    if (lay.head_dim == 64) return heads_avx2<T, 8>;
+    if (lay.head_dim == 128) return heads_avx2<T, 16>;
+    return heads_avx2<T, 0>;
+  }
 #endif
   (void)lay;
   (void)portable;
   return heads_portable<T>;
 }
-#if FERRY_AVX512
+#if FERRY_AVX512 || FERRY_AVX2
 template <>
 HeadsFn<double> pick_heads<double>(const Layout&, bool) { return heads_portable<double>; }
 #endif
@@ -621,6 +785,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 }
 
 bool has_avx512() { return FERRY_AVX512; }
+bool has_avx2() { return FERRY_AVX2; }
 
 // Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
 // only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
@@ -651,5 +816,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("portable") = false);
   m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
+  m.def("has_avx2", &has_avx2, "whether the AVX2 path was compiled in (only where AVX-512 is not)");
   m.def("advise_huge_pages", &advise_huge_pages, "back a memory range with huge pages (best effort)");
 }
