@@ -109,8 +109,8 @@ class CacheAwarePolicy:
     """Least expected work, with what this router knows between heartbeats: its own recent decisions, while still
     in flight, count as queued work, and as cached blocks where the prefix index cannot show them yet. A hot
     prefix therefore spreads: once its holder's queue outweighs a cold prefill elsewhere, the next request goes
-    elsewhere, and the router then knows two holders. `use_prefix_index=False` is the approximate policy (history only, no Redis), which is
-    also what this policy falls back to when the prefix index is down."""
+    elsewhere, and the router then knows two holders. `use_prefix_index=False` is the approximate policy (history
+    only, no Redis), which is also what this policy falls back to when the prefix index is down."""
     use_prefix_index: bool = True
     history: RoutingHistory = field(default_factory=RoutingHistory)
     recent_window_s: float = RECENT_WINDOW_S
