@@ -1,7 +1,8 @@
 """Ferry past one host, simulated on loopback addresses: no `ferry up`, each service launched on its own "host" as
 Kubernetes would (Redis on 127.0.0.1, schedulers on 127.0.0.2 and 127.0.0.3, the router on 127.0.0.4, a scheduler
-that joins later on 127.0.0.5). The scheduler on 127.0.0.3 binds every interface and advertises the address given
-by $FERRY_ADVERTISE_HOST, as a pod advertises its pod IP; the others advertise the address they bind."""
+that joins later on 127.0.0.5, one watched while it waits for its Redis on 127.0.0.6). The scheduler on 127.0.0.3
+binds every interface and advertises the address given by $FERRY_ADVERTISE_HOST, as a pod advertises its pod IP;
+the others advertise the address they bind."""
 from __future__ import annotations
 
 import os
@@ -221,7 +222,7 @@ def test_a_new_scheduler_joins_and_takes_traffic(cluster):
     newcomer = cluster.start_scheduler("host-c", "127.0.0.5")
     wait_until(lambda: cluster.registration("host-c") is not None, "the new scheduler registered")
     time.sleep(1.0)                                 # the router's next refresh of the live schedulers
-    for attempt, prompt in enumerate(distinct_prompts(40, offset=200)):
+    for prompt in distinct_prompts(40, offset=200):
         assert len(cluster.generate(prompt)) == MAX_TOKENS
         if generation_tokens(newcomer) > 0:
             break
