@@ -7,7 +7,7 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from gpu_worker import cpu_heap, cpu_linear
+from gpu_worker import cpu_features, cpu_heap, cpu_linear
 from gpu_worker.kv_pool import KVPool, kv_budget
 from gpu_worker.model import LlamaForCausalLM, ModelShape, TorchLayerOps, rope_cos_sin
 from gpu_worker.model_files import resolve_model_dir
@@ -27,14 +27,27 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA and on CPUs that multiply bf16 natively, fp32 on other CPUs (gpu_worker/cpu_features)."""
     if name in ("", "auto"):
-        return torch.bfloat16
+        return cpu_features.detect().auto_dtype if device.type == "cpu" else torch.bfloat16
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in dtypes:
         raise ValueError(f"dtype must be one of {', '.join(dtypes)} or auto, got {name!r}")
     if device.type == "cpu" and name == "float16":
         raise ValueError("dtype float16 is not supported on CPU: use bfloat16 or float32")
     return dtypes[name]
+
+
+def device_info(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """What the worker runs on, for its start line and the scheduler's ferry:device_info metric."""
+    info = {"device": device.type, "dtype": str(dtype).removeprefix("torch.")}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        info.update(cpu_features.detect().as_labels())
+        module = cpu_decode.extension()
+        info["cpu_kernels"] = module.vector_isa() if module is not None else "off"
+    return info
 
 
 def eos_token_ids(model_dir, hf_config) -> list[int]:
@@ -69,12 +82,13 @@ class Worker:
         # both backends share the pool layout, so the fused CPU ops may store K and V for either
         model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
         self.runner = ModelRunner(model, pool, backend, device, seed=req.seed)
-        log.info("worker ready: %s on %s (%s), %d KV blocks of %d tokens", model_dir.name, device, dtype,
-                 pool.num_blocks, block_size)
+        info = device_info(device, dtype)
+        log.info("worker ready: %s on %s, %d KV blocks of %d tokens", model_dir.name,
+                 " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)
         return worker_pb2.InitResponse(
             num_blocks=pool.num_blocks, block_size=block_size, max_model_len=max_model_len,
             vocab_size=shape.vocab_size, eos_token_ids=eos_token_ids(model_dir, hf_config),
-            model_name=model_dir.name, model_path=str(model_dir.resolve()))
+            model_name=model_dir.name, model_path=str(model_dir.resolve()), device_info=info)
 
     @staticmethod
     def load_model(shape, hf_config, max_model_len, model_dir, dtype, device) -> LlamaForCausalLM:
