@@ -10,9 +10,13 @@ from kernels import cpu_build
 
 
 @cache
-def extension():
-    """The compiled module, or None (FERRY_CPU_KERNELS=0 turns it off)."""
-    return cpu_build.build("ferry_layer_ops_cpu", "layer_ops_cpu.cpp", ["-ffp-contract=off", "-fopenmp"])
+def extension(portable: bool = False):
+    """The compiled module, or None (FERRY_CPU_KERNELS=0 turns it off). portable=True builds the scalar loops only,
+    whatever vector extensions the machine has (tests cover both paths on any machine)."""
+    flags = ["-ffp-contract=off", "-fopenmp"]
+    if portable:
+        return cpu_build.build("ferry_layer_ops_cpu_portable", "layer_ops_cpu.cpp", [*flags, "-DFERRY_PORTABLE"])
+    return cpu_build.build("ferry_layer_ops_cpu", "layer_ops_cpu.cpp", flags)
 
 
 class CpuLayerOps:
@@ -35,6 +39,6 @@ class CpuLayerOps:
         return self.module.silu_mul(gate_up)
 
 
-def layer_ops() -> CpuLayerOps | None:
-    module = extension()
+def layer_ops(portable: bool = False) -> CpuLayerOps | None:
+    module = extension(portable)
     return None if module is None else CpuLayerOps(module)

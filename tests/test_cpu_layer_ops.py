@@ -11,9 +11,12 @@ pytestmark = pytest.mark.skipif(cpu_layers.extension() is None, reason="no C++ c
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 9, 3, 64, 576, 1536
 
 
-@pytest.fixture
-def ops():
-    return cpu_layers.layer_ops(), TorchLayerOps(torch_paged.store_kv)
+PATHS = pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])   # the machine's vector path
+
+
+@pytest.fixture(params=[False, True], ids=["simd", "portable"])
+def ops(request):
+    return cpu_layers.layer_ops(portable=request.param), TorchLayerOps(torch_paged.store_kv)
 
 
 def assert_matches(fused: torch.Tensor, reference: torch.Tensor) -> None:
@@ -84,9 +87,10 @@ def test_a_slot_outside_the_pool_is_an_error_not_a_write(ops):
         fused.rotary_store_kv(qkv, cos, sin, pool, pool.clone(), torch.tensor([0, 8]), HEADS, KV_HEADS)
 
 
+@PATHS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 49152])
-def test_greedy_argmax_is_torchs(dtype, width):
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 15, 16, 17, 100, 49152])
+def test_greedy_argmax_is_torchs(dtype, width, portable):
     """The first index on ties (also across vector lanes and the scalar tail), a NaN counts as the largest, a row of
     -inf gives 0."""
     torch.manual_seed(width)
@@ -97,8 +101,9 @@ def test_greedy_argmax_is_torchs(dtype, width):
     logits[2, min(3, width - 1)] = logits[2, min(19, width - 1)] = peak   # tie between lanes
     logits[3] = float("-inf")
     logits[4, width - 1], logits[4, 0] = float("nan"), peak
+    logits[5, min(9, width - 1)] = logits[5, min(7, width - 1)] = peak   # the earlier index in the higher lane
     expected = logits.argmax(dim=-1)
-    assert torch.equal(cpu_layers.extension().argmax_rows(logits), expected)
+    assert torch.equal(cpu_layers.extension(portable).argmax_rows(logits), expected)
     assert expected[3] == 0 and expected[4] == width - 1
 
 

@@ -5,7 +5,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// FERRY_PORTABLE: build the scalar paths only (tests of them on machines with vector extensions)
+#if !defined(FERRY_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FERRY_AVX512 1
 #include <immintrin.h>
 #else
@@ -13,7 +14,7 @@
 #endif
 
 // AVX2 with FMA and F16C (x86-64-v3): the vector paths of machines without AVX-512
-#if !FERRY_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if !defined(FERRY_PORTABLE) && !FERRY_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FERRY_AVX2 1
 #include <immintrin.h>
 #else
@@ -21,6 +22,9 @@
 #endif
 
 namespace ferry {
+
+// The vector path this build compiled in, as the worker's start line and metrics name it.
+inline const char* vector_isa() { return FERRY_AVX512 ? "avx512" : FERRY_AVX2 ? "avx2" : "portable"; }
 
 // bf16 is the top half of an fp32: widening is a shift, exact (written as integer ops so that loops vectorise).
 inline float bf16_bits_to_float(uint16_t bits) {

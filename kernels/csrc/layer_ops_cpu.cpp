@@ -75,7 +75,7 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expected rows [T, N] with contiguous rows");
 }
 
-// Under AVX-512, fp32 and bf16 rows take the vector loops; fp16 rows the scalar ones
+// Under AVX-512 or AVX2, fp32 and bf16 rows take the vector loops; fp16 rows the scalar ones
 template <typename T>
 constexpr bool kVectorised = !std::is_same_v<T, at::Half>;
 
@@ -122,6 +122,62 @@ inline void store16(uint16_t* p, __m512 x) {
 }
 #endif
 
+#if FERRY_AVX2
+// The same helpers on 8-lane AVX2 vectors. e^x as exp_ps above; 2^n is applied as two exact power-of-two products
+// (scalef's single rounding: the first product stays in the normal range, only the second can round).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i whole = _mm256_cvtps_epi32(n);                 // [-150, 128]
+  const __m256i first = _mm256_srai_epi32(whole, 1), second = _mm256_sub_epi32(whole, first);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first_scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+  const __m256 second_scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(second, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(y, first_scale), second_scale);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// fp32 → bf16 bits (round to nearest even, NaN kept a NaN) in the low half of each 32-bit lane
+inline __m256i bf16_bits(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+inline __m256 round8(__m256 x, float) { return x; }
+inline __m256 round8(__m256 x, uint16_t) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(uint16_t* p, __m256 x) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(x), _mm256_setzero_si256()), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+inline float reduce_add8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
+
 template <typename T>
 void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out, int64_t n, float eps) {
   float sum = 0.f;
@@ -134,6 +190,15 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
       squares = _mm512_fmadd_ps(v, v, squares);
     }
     sum = _mm512_reduce_add_ps(squares);
+  }
+#elif FERRY_AVX2
+  if constexpr (kVectorised<T>) {
+    __m256 squares = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = load8(x + i);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    sum = reduce_add8(squares);
   }
 #endif
   for (; i < n; ++i) {
@@ -150,6 +215,14 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
       store16(out + i, _mm512_mul_ps(load16(weight + i), normed));
     }
   }
+#elif FERRY_AVX2
+  if constexpr (kVectorised<T>) {
+    const __m256 scale = _mm256_set1_ps(inv_rms);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 normed = round8(_mm256_mul_ps(load8(x + i), scale), Storage<T>{});
+      store8(out + i, _mm256_mul_ps(load8(weight + i), normed));
+    }
+  }
 #endif
   for (; i < n; ++i) {
     // eager: weight * (x.float() * rsqrt(...)).to(dtype), the product rounded again
@@ -164,6 +237,10 @@ void add_row(Storage<T>* residual, const Storage<T>* x, int64_t n) {
 #if FERRY_AVX512
   if constexpr (kVectorised<T>) {
     for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
+  }
+#elif FERRY_AVX2
+  if constexpr (kVectorised<T>) {
+    for (; i + 8 <= n; i += 8) store8(residual + i, _mm256_add_ps(load8(residual + i), load8(x + i)));
   }
 #endif
   for (; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(x[i]));
@@ -251,6 +328,15 @@ void silu_mul_row(const Storage<T>* gate, const Storage<T>* up, Storage<T>* dst,
       store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
     }
   }
+#elif FERRY_AVX2
+  if constexpr (kVectorised<T>) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256 g = load8(gate + i);
+      const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+      const __m256 silu = round8(_mm256_div_ps(g, denominator), Storage<T>{});
+      store8(dst + i, _mm256_mul_ps(silu, load8(up + i)));
+    }
+  }
 #endif
   for (; i < n; ++i) dst[i] = Elem<T>::store(silu_mul_scalar<T>(Elem<T>::load(gate[i]), Elem<T>::load(up[i])));
 }
@@ -290,6 +376,29 @@ int64_t argmax_row(const Storage<T>* x, int64_t n) {
       best_value = _mm512_reduce_max_ps(peak);
       best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(peak, _mm512_set1_ps(best_value), _CMP_EQ_OQ), where);
       nan = nans != 0;
+    }
+  }
+#elif FERRY_AVX2
+  if constexpr (kVectorised<T>) {
+    if (n >= 8) {
+      __m256 peak = _mm256_set1_ps(-INFINITY), nans = _mm256_setzero_ps();
+      __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), where = index;
+      for (; i + 8 <= n; i += 8, index = _mm256_add_epi32(index, _mm256_set1_epi32(8))) {
+        const __m256 v = load8(x + i);
+        const __m256 greater = _mm256_cmp_ps(v, peak, _CMP_GT_OQ);
+        peak = _mm256_blendv_ps(peak, v, greater);
+        where = _mm256_blendv_epi8(where, index, _mm256_castps_si256(greater));
+        nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      alignas(32) float peaks[8];
+      alignas(32) int32_t wheres[8];
+      _mm256_store_ps(peaks, peak);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(wheres), where);
+      best_value = peaks[0], best = wheres[0];
+      for (int lane = 1; lane < 8; ++lane)
+        if (peaks[lane] > best_value || (peaks[lane] == best_value && wheres[lane] < best))
+          best_value = peaks[lane], best = wheres[lane];
+      nan = _mm256_movemask_ps(nans) != 0;
     }
   }
 #endif
@@ -386,6 +495,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vector_isa", &ferry::vector_isa, "the vector path compiled in: avx512, avx2 or portable");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("rotary_store_kv", &rotary_store_kv, "rotary q and k from a fused qkv row; k and v stored in the pool");

@@ -784,8 +784,6 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-bool has_avx512() { return FERRY_AVX512; }
-bool has_avx2() { return FERRY_AVX2; }
 
 // Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
 // only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
@@ -815,7 +813,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over the KV block pool (CPU)", py::arg("query"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("portable") = false);
-  m.def("has_avx512", &has_avx512, "whether the AVX-512 path was compiled in");
-  m.def("has_avx2", &has_avx2, "whether the AVX2 path was compiled in (only where AVX-512 is not)");
+  m.def("vector_isa", &ferry::vector_isa, "the vector path compiled in: avx512, avx2 or portable");
   m.def("advise_huge_pages", &advise_huge_pages, "back a memory range with huge pages (best effort)");
 }
