@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -77,10 +77,12 @@ class StatsCollector:
 class SchedulerMetrics:
     """This scheduler's Prometheus registry: the stats collector plus latency histograms and finish reasons."""
 
-    def __init__(self, stats: StatsFn, model_name: str):
+    def __init__(self, stats: StatsFn, model_name: str, device_info: dict[str, str] | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(stats, model_name))
+        Info("ferry:device", "The worker's device, the dtype it computes in and, on a CPU, its model, vector "
+             "extensions and the kernels' vector path.", registry=self.registry).info(dict(device_info or {}))
         labels = {"model_name": model_name}
         self.ttft = LatencyHistogram("ferry:time_to_first_token_seconds", "Time to first token.", labels)
         self.inter_token = LatencyHistogram("ferry:inter_token_latency_seconds", "Time between a request's tokens.",

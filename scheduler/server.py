@@ -134,7 +134,8 @@ class EngineLoop:
         self.wakeup = asyncio.Event()
         self.on_kv_events = lambda stored, removed: None
         self.failure: str | None = None
-        self.telemetry = SchedulerTelemetry(SchedulerMetrics(self.load, info.model_name), tracing)
+        metrics = SchedulerMetrics(self.load, info.model_name, dict(info.device_info))
+        self.telemetry = SchedulerTelemetry(metrics, tracing)
 
     def new_scheduler(self) -> Scheduler:
         info = self.info

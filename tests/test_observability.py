@@ -283,6 +283,17 @@ def test_metrics_gauges_move_while_requests_run_and_return_to_idle(traced_stack)
     assert grew(router, before_router, "ferry:time_to_first_token_seconds_count") == num_requests
 
 
+def test_scheduler_metrics_name_the_workers_device_dtype_cpu_and_kernel_path(traced_stack):
+    from gpu_worker import cpu_features
+    from kernels import cpu_decode
+
+    cpu = cpu_features.detect()
+    module = cpu_decode.extension()
+    expected = {"device": "cpu", "dtype": "float32", "cpu_model": cpu.model, "cpu_capability": cpu.capability,
+                "cpu_flags": cpu.as_labels()["cpu_flags"], "cpu_kernels": module.vector_isa() if module else "off"}
+    assert value(scrape(traced_stack.scheduler_metrics_url), "ferry:device_info", **expected) == 1
+
+
 def test_tracing_is_off_and_steps_carry_nothing_without_an_endpoint(monkeypatch):
     from ferry.telemetry import TRACING_OFF, setup_tracing
     from protos import scheduler_pb2, worker_pb2
