@@ -95,7 +95,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-file", type=Path, help="JSON list of {prompt_token_ids, max_tokens}")
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -128,12 +128,13 @@ def run_offline(args) -> int:
     directory = model_dir(args)
     requests = load_requests(args, directory)
     progress = sys.stderr.isatty()
+    dtype = concrete_dtype(args.dtype)   # transformers runs in the dtype the engine computes in
     results = {}
     for mode in args.modes.split(","):
         if mode == "hf":
-            results[mode] = run_transformers(directory, args.dtype, requests, args.hf_batch_size, progress).as_dict()
+            results[mode] = run_transformers(directory, dtype, requests, args.hf_batch_size, progress).as_dict()
         else:
-            config = ferry_config(directory, args.dtype, mode, args.max_num_seqs, args.kv_cache_memory)
+            config = ferry_config(directory, dtype, mode, args.max_num_seqs, args.kv_cache_memory)
             results[mode] = run_ferry(config, mode, requests, progress).as_dict()
         print(f"[bench] {mode}: {results[mode]['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
     ratios = {f"{m}/hf": round(r["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"], 3)
@@ -142,8 +143,23 @@ def run_offline(args) -> int:
         ratios["continuous/static"] = round(results["continuous"]["output_tokens_per_s"]
                                             / results["static"]["output_tokens_per_s"], 3)
     report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
-                  "dtype": args.dtype, "results": results, "ratios": ratios})
+                  "dtype": dtype, "machine": machine(), "results": results, "ratios": ratios})
     return 0
+
+
+def concrete_dtype(name: str) -> str:
+    from gpu_worker.worker import resolve_device, resolve_dtype
+    return str(resolve_dtype(name, resolve_device("auto"))).removeprefix("torch.")
+
+
+def machine() -> str:
+    """The device the figures come from (benchmarks are compared on one machine only)."""
+    import torch
+
+    from gpu_worker import cpu_features
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return cpu_features.detect().describe()
 
 
 def run_memory(args) -> int:

@@ -10,7 +10,7 @@ DRAIN_TIMEOUT_S = 30.0   # on SIGTERM, how long the router and the schedulers le
 @dataclass
 class EngineConfig:
     model: str = ""                       # local HF directory; "" = the default model (SmolLM2-135M-Instruct)
-    dtype: str = "auto"                   # float32 | bfloat16 | float16 | auto (bf16 on CPU, fp16/bf16 on CUDA)
+    dtype: str = "auto"                   # float32 | bfloat16 | float16 | auto (gpu_worker.worker.resolve_dtype)
     device: str = "auto"                  # cpu | cuda | auto
     block_size: int = 16
     kv_cache_memory: int = 0              # bytes for the KV pool; 0 = 1 GiB on CPU, 90% of free memory on CUDA
