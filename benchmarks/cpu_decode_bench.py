@@ -40,6 +40,9 @@ def build_baseline(rev: str):
     path = directory / f"paged_decode_cpu_{rev}.cpp"
     if not path.exists() or path.read_text() != source:
         path.write_text(source)
+    header = subprocess.run(["git", "show", f"{rev}:kernels/csrc/cpu_simd.h"], cwd=REPO, capture_output=True, text=True)
+    if header.returncode == 0:   # revisions before the shared header had none
+        (directory / "cpu_simd.h").write_text(header.stdout)
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     from torch.utils.cpp_extension import load
     return load(name=f"ferry_paged_decode_cpu_base_{rev}", sources=[str(path)],
