@@ -8,11 +8,12 @@
 // Rounding is that of the eager ops they replace (gpu_worker/model.py's reference versions, which are those of
 // Hugging Face transformers): every eager bf16/fp16 op computes in fp32 and rounds its result, so the same
 // intermediate roundings are applied here, and floating-point contraction is off (built with -ffp-contract=off).
-// Only reduction order (the RMS sum) and the exponential (SiLU's, vectorised here) can differ from torch, by about
-// an ulp of fp32.
+// The RMS sum is added in torch's own order, so RMSNorm is bit-exact; only the exponential (SiLU's, vectorised
+// here) can differ from torch, by about an ulp of fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -178,35 +179,70 @@ inline float reduce_add8(__m256 x) {
 }
 #endif
 
+// CeilLog2 of ATen/native/cpu/utils.h
+inline int64_t ceil_log2(int64_t x) {
+  return x <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// The sum of a row's squares in the order eager torch adds them: x.float().pow(2) rounds each square to fp32 (no
+// fused multiply-add), and .mean() on the CPU is cascade_sum (ATen/native/cpu/SumKernel.cpp): vectors of
+// `Lanes` floats, 4 interleaved accumulators over groups of 4 vectors, cascaded into levels every 16 groups,
+// then the scalar tail, then the lanes one by one. Rows shorter than a vector are summed as vectors of 1. An RMSNorm that differs from transformers' by an ulp of its
+// sum rounds some bf16 outputs the other way, and over 30 layers that can change the greedy answer.
+template <typename T, int Lanes>
+float torch_order_sum_of_squares(const Storage<T>* x, int64_t n) {
+  constexpr int kIlp = 4, kLevels = 4;
+  const int64_t vectors = n / Lanes;
+  const int64_t groups = vectors / kIlp;
+  float acc[kLevels][kIlp][Lanes] = {};
+  auto square = [x](int64_t i) {
+    const float v = Elem<T>::load(x[i]);
+    return v * v;
+  };
+  auto add_group = [&](int64_t g) {
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < Lanes; ++l) acc[0][k][l] += square((g * kIlp + k) * Lanes + l);
+  };
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);
+  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+  int64_t g = 0;
+  while (g + level_step <= groups) {
+    for (int64_t j = 0; j < level_step; ++j, ++g) add_group(g);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k)
+        for (int l = 0; l < Lanes; ++l) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.f;
+      if ((g & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; g < groups; ++g) add_group(g);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k)
+      for (int l = 0; l < Lanes; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = groups * kIlp; v < vectors; ++v)
+    for (int l = 0; l < Lanes; ++l) acc[0][0][l] += square(v * Lanes + l);
+  for (int k = 1; k < kIlp; ++k)
+    for (int l = 0; l < Lanes; ++l) acc[0][0][l] += acc[0][k][l];
+  float sum = 0.f;
+  for (int64_t i = vectors * Lanes; i < n; ++i) sum += square(i);
+  for (int l = 0; l < Lanes; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
+// torch's own vector width for fp32 (its Vectorized<float>), which sets its summation order: 16 where ATen
+// dispatches to its AVX-512 kernels, else 8. Not this build's: a portable build must add as torch does too.
+// Set from Python at load (torch.backends.cpu.get_cpu_capability(); ATen does not export its C++ query).
+int g_torch_float_lanes = 8;
+
+inline int torch_float_lanes() { return g_torch_float_lanes; }
+
 template <typename T>
 void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out, int64_t n, float eps) {
-  float sum = 0.f;
-  int64_t i = 0;
-#if FERRY_AVX512
-  if constexpr (kVectorised<T>) {
-    __m512 squares = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = load16(x + i);
-      squares = _mm512_fmadd_ps(v, v, squares);
-    }
-    sum = _mm512_reduce_add_ps(squares);
-  }
-#elif FERRY_AVX2
-  if constexpr (kVectorised<T>) {
-    __m256 squares = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = load8(x + i);
-      squares = _mm256_fmadd_ps(v, v, squares);
-    }
-    sum = reduce_add8(squares);
-  }
-#endif
-  for (; i < n; ++i) {
-    const float v = Elem<T>::load(x[i]);
-    sum += v * v;
-  }
+  const int lanes = torch_float_lanes();
+  const float sum = n < lanes      ? torch_order_sum_of_squares<T, 1>(x, n)
+                    : lanes == 16 ? torch_order_sum_of_squares<T, 16>(x, n)
+                                  : torch_order_sum_of_squares<T, 8>(x, n);
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  i = 0;
+  int64_t i = 0;
 #if FERRY_AVX512
   if constexpr (kVectorised<T>) {
     const __m512 scale = _mm512_set1_ps(inv_rms);
@@ -494,8 +530,14 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+void set_torch_float_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "set_torch_float_lanes: 8 or 16, got ", lanes);
+  g_torch_float_lanes = static_cast<int>(lanes);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", &ferry::vector_isa, "the vector path compiled in: avx512, avx2 or portable");
+  m.def("set_torch_float_lanes", &set_torch_float_lanes, "torch's fp32 vector width, for its summation order");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("rotary_store_kv", &rotary_store_kv, "rotary q and k from a fused qkv row; k and v stored in the pool");
