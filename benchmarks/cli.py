@@ -1,4 +1,4 @@
-"""`ferry bench offline | serve | memory | prefix | split | cluster`."""
+"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster`."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,16 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--max-concurrency", type=int, default=256)
     serve.add_argument("--plot-dir", type=Path)
     serve.set_defaults(handler=run_serve)
+
+    roofline = bench.add_parser("roofline", help="a decode step against the machine's FLOP limit")
+    roofline.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    roofline.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
+    roofline.add_argument("--batch", type=int, default=32)
+    roofline.add_argument("--prompt-len", type=int, default=128)
+    roofline.add_argument("--steps", type=int, default=32, help="decode steps timed (the median is reported)")
+    roofline.add_argument("--matmul-size", type=int, default=4096, help="the square fp32 matmul that sets the peak")
+    roofline.add_argument("--json", action="store_true", help="print one JSON object")
+    roofline.set_defaults(handler=run_roofline)
 
     add_prefix_parser(bench)
     add_split_parser(bench)
@@ -160,6 +170,14 @@ def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return cpu_features.detect().describe()
+
+
+def run_roofline(args) -> int:
+    from benchmarks.roofline import measure
+
+    result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.steps, args.matmul_size)
+    report(args, {"machine": machine(), **result.as_dict()})
+    return 0
 
 
 def run_memory(args) -> int:

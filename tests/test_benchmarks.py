@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from benchmarks import grpc_stream_cost
 
 
@@ -25,6 +26,23 @@ def test_offline_bench_compares_modes_and_transformers(tiny_llama_dir, tmp_path)
         assert result["results"][mode]["output_tokens"] == 5 + 9 + 12 + 4
         assert result["results"][mode]["output_tokens_per_s"] > 0
     assert set(result["ratios"]) == {"continuous/hf", "static/hf", "continuous/static"}
+
+
+def test_roofline_bench_counts_a_decode_steps_arithmetic(tiny_llama_dir):
+    result = run_bench("roofline", "--model", str(tiny_llama_dir), "--dtype", "float32", "--batch", "3",
+                       "--prompt-len", "8", "--steps", "4", "--matmul-size", "256")
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv_width = config["num_key_value_heads"] * config["head_dim"]
+    per_layer = hidden * (hidden + 2 * kv_width) + hidden * hidden + hidden * 2 * inner + inner * hidden
+    context = 8 + 1 + 4 // 2
+    attention = 4 * config["num_hidden_layers"] * config["num_attention_heads"] * config["head_dim"] * context
+    expected = (2 * (config["num_hidden_layers"] * per_layer + hidden * vocab) + attention) * 3 / 1e9
+    assert result["dtype"] == "float32" and result["batch"] == 3 and result["context"] == context
+    assert result["step_gflop"] == round(expected, 6)
+    assert result["peak_gflop_s"] > 0 and result["step_ms"] > 0
+    limit_ms = result["step_gflop"] / result["peak_gflop_s"] * 1e3
+    assert result["step_over_limit"] == pytest.approx(result["step_ms"] / limit_ms, rel=0.05)
 
 
 def test_memory_bench_shows_paged_kv_holding_more_sequences(tiny_llama_dir, tmp_path):

@@ -1,0 +1,88 @@
+"""`ferry bench roofline`: a decode step against the machine's FLOP limit (issue 17).
+
+The limit of a decode step is its arithmetic over the fastest a large fp32 (or the model's dtype) matmul runs on
+the same cores: 2 x (the linear layers' parameters, LM head included) x batch, plus attention's 4 x layers x heads x
+head_dim x context per sequence. The step is the engine's own: `batch` requests of `prompt_len` random tokens,
+prefilled first, then timed over `steps` decode steps while every sequence runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import AutoConfig
+
+from ferry import Engine, EngineConfig, SamplingParams
+from gpu_worker.model import ModelShape
+
+
+@dataclass
+class Roofline:
+    dtype: str
+    batch: int
+    context: int
+    peak_gflop_s: float
+    step_gflop: float
+    step_ms: float
+
+    @property
+    def limit_ms(self) -> float:
+        return self.step_gflop / self.peak_gflop_s * 1e3
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "limit_ms": round(self.limit_ms, 4),
+                "step_over_limit": round(self.step_ms / self.limit_ms, 2)}
+
+
+def peak_matmul_gflop_s(dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> float:
+    """The best of `repeats` square matmuls: what the cores do at their fastest on large operands."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * size ** 3 / best / 1e9
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def linear_parameters(model: torch.nn.Module) -> int:
+    """Every weight a token is multiplied by: the linears and the LM head (tied or not), not the embedding lookup."""
+    return sum(module.in_features * module.out_features for module in model.modules()
+               if hasattr(module, "in_features") and hasattr(module, "out_features"))
+
+
+def decode_step_gflop(model, shape: ModelShape, batch: int, context: int) -> float:
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * context * batch
+    return (2 * linear_parameters(model) * batch + attention) / 1e9
+
+
+def measure(model_dir: str, dtype: str = "auto", batch: int = 32, prompt_len: int = 128, steps: int = 32,
+            matmul_size: int = 4096) -> Roofline:
+    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, device="cpu", max_num_seqs=batch))
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(100, engine.info.vocab_size, (prompt_len,), generator=generator).tolist()
+        engine.add_request(f"roofline-{i}", prompt, params)
+    while engine.stats().num_waiting or engine.stats().num_running < batch:
+        engine.step()
+    engine.step()   # the first decode step, after the last prefill
+    durations = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        durations.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    model = engine.worker.runner.model
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(engine.info.model_path))
+    torch_dtype = next(model.parameters()).dtype
+    context = prompt_len + 1 + steps // 2
+    return Roofline(dtype=str(torch_dtype).removeprefix("torch."), batch=batch, context=context,
+                    peak_gflop_s=round(peak_matmul_gflop_s(torch_dtype, matmul_size), 1),
+                    step_gflop=round(decode_step_gflop(model, shape, batch, context), 6),
+                    step_ms=round(sorted(durations)[len(durations) // 2] * 1e3, 1))
