@@ -31,6 +31,7 @@ import grpc
 from benchmarks.serve import run_load
 from benchmarks.served_stack import ServedStack
 from benchmarks.workloads import BenchRequest
+from ferry.cluster_auth import token_metadata
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -58,14 +59,15 @@ CONFIGS = {c.name: c for c in (
 )}
 
 
-def scheduler_stats(address: str) -> scheduler_pb2.StatsResponse:
+def scheduler_stats(address: str, cluster_token: str) -> scheduler_pb2.StatsResponse:
     with grpc.insecure_channel(address) as channel:
-        return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10)
+        return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10,
+                                                               metadata=token_metadata(cluster_token))
 
 
-def prefix_counters(addresses: list[str]) -> list[tuple[int, int, int]]:
+def prefix_counters(stack: ServedStack) -> list[tuple[int, int, int]]:
     """(prefix-cache query tokens, hit tokens, prompt tokens) per scheduler."""
-    stats = [scheduler_stats(a) for a in addresses]
+    stats = [scheduler_stats(a, stack.cluster_token) for a in stack.schedulers]
     return [(s.prefix_cache_queries, s.prefix_cache_hits, s.prompt_tokens_total) for s in stats]
 
 
@@ -75,9 +77,9 @@ def measure(config: StackConfig, requests: list[BenchRequest], rate: float, engi
     with ServedStack(config.up_flags() + engine_flags) as stack:
         stack.wait_ready(config.num_schedulers)
         startup_s = time.perf_counter() - started
-        before = prefix_counters(stack.schedulers)
+        before = prefix_counters(stack)
         serve = asyncio.run(run_load(requests, stack.router, rate, max_concurrency))
-        after = prefix_counters(stack.schedulers)
+        after = prefix_counters(stack)
     per_scheduler = [{"queries": a[0] - b[0], "hits": a[1] - b[1], "prompt_tokens": a[2] - b[2]}
                      for a, b in zip(after, before)]
     queries = sum(s["queries"] for s in per_scheduler)

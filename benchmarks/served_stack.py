@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,10 +22,13 @@ class ServedStack:
 
     def __init__(self, up_args: list[str], env: dict[str, str] | None = None):
         port = free_port()
+        self.cluster_token, self.redis_password = secrets.token_hex(16), secrets.token_hex(16)   # for direct calls
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ferry.cli", "up", "--port", str(port), "--http-port", "0", *up_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "FERRY_LOG_LEVEL": os.environ.get("FERRY_LOG_LEVEL", "WARNING"), **(env or {})})
+            env={**os.environ, "FERRY_LOG_LEVEL": os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
+                 "FERRY_CLUSTER_TOKEN": self.cluster_token, "FERRY_REDIS_PASSWORD": self.redis_password,
+                 **(env or {})})
         self.output: deque[str] = deque(maxlen=60)
         self.ready = threading.Event()
         self.router = ""
@@ -46,7 +50,7 @@ class ServedStack:
         while not self.ready.wait(0.5):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("ferry up did not get ready:\n" + "\n".join(self.output))
-        wait_registered(self.redis_url, num_schedulers)
+        wait_registered(self.redis_url, self.redis_password, num_schedulers)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -64,11 +68,11 @@ class ServedStack:
         self.stop()
 
 
-def wait_registered(redis_url: str, num_schedulers: int, timeout: float = 30.0) -> None:
+def wait_registered(redis_url: str, password: str, num_schedulers: int, timeout: float = 30.0) -> None:
     """Every scheduler in Redis, and one router refresh later, so the first request can go to any of them."""
     import redis
 
-    client = redis.Redis.from_url(redis_url)
+    client = redis.Redis.from_url(redis_url, password=password)
     deadline = time.monotonic() + timeout
     while len(list(client.scan_iter(match="ferry:scheduler:*"))) < num_schedulers:
         if time.monotonic() > deadline:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferry.config import DRAIN_TIMEOUT_S
+from ferry.tls import TlsConfig, add_tls_args, tls_config
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -34,8 +36,24 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish")
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
-                        help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY)")
+                        help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY; "
+                             "several: comma-separated)")
+    add_limit_args(parser)
+    parser.add_argument("--cluster-token", default=os.environ.get("FERRY_CLUSTER_TOKEN", ""),
+                        help="secret the router presents to the schedulers (default: $FERRY_CLUSTER_TOKEN; "
+                             "empty: a new one for this stack)")
+    parser.add_argument("--redis-password", default=os.environ.get("FERRY_REDIS_PASSWORD", ""),
+                        help="password of --redis-url, or of the Redis started here (default: $FERRY_REDIS_PASSWORD; "
+                             "empty: a new one for the Redis started here)")
+    add_tls_args(parser, ca_help="CA that signed --tls-cert: the router checks the schedulers with it, they check "
+                                 "the router (mutual TLS); the certificate must name 127.0.0.1 and --host")
     parser.set_defaults(handler=run_up)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from router.limits import add_limit_args as add_router_limit_args
+
+    add_router_limit_args(parser)
 
 
 def routing_policies() -> list[str]:
@@ -55,6 +73,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""), help="the router's API key, if set")
+    parser.add_argument("--tls-ca", default="", help="the router serves TLS: check its certificate with this CA")
     parser.set_defaults(handler=run_generate)
 
 
@@ -65,8 +84,14 @@ class Stack:
     processes: list[subprocess.Popen] = field(default_factory=list)
     redis: subprocess.Popen | None = None   # the redis-server it started, if any: stopped last
 
-    def start(self, args: list[str], name: str, **popen_kwargs) -> subprocess.Popen:
+    def start(self, args: list[str], name: str, stdin_text: str = "", **popen_kwargs) -> subprocess.Popen:
+        """stdin_text: written to the process's standard input, which is then closed (secrets stay off argv)."""
+        if stdin_text:
+            popen_kwargs["stdin"] = subprocess.PIPE
         process = subprocess.Popen(args, start_new_session=True, **popen_kwargs)
+        if stdin_text:
+            process.stdin.write(stdin_text.encode())
+            process.stdin.close()
         self.processes.append(process)
         print(f"[ferry] started {name} (pid {process.pid})", flush=True)
         return process
@@ -132,12 +157,16 @@ def scheduler_metrics_flags(args: argparse.Namespace, index: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + index)] if args.metrics_port else []
 
 
-def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT_S) -> None:
+def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT_S,
+                    tls: TlsConfig | None = None) -> None:
+    """tls: dial over TLS, trusting tls.ca and presenting tls.cert."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = (grpc.secure_channel(address, tls.channel_credentials()) if tls is not None and tls.ca
+               else grpc.insecure_channel(address))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             exited = stack.any_exited()
@@ -158,37 +187,73 @@ def worker_threads_env(num_schedulers: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // num_schedulers))}
 
 
+def start_redis(stack: Stack, password: str) -> str:
+    """A Redis for this stack only: on loopback, with a password (given on its standard input, not its argv)."""
+    port = free_port()
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    config = f'port {port}\nbind 127.0.0.1\nrequirepass "{quoted}"\nsave ""\nappendonly no\n'
+    stack.redis = stack.start([redis_server_binary(), "-"], "redis-server", stdin_text=config)
+    return f"redis://127.0.0.1:{port}"
+
+
+def stack_secrets(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that carries the stack's secrets to its services; new ones where none were given."""
+    password = args.redis_password or ("" if args.redis_url else secrets.token_hex(32))
+    return {"FERRY_CLUSTER_TOKEN": args.cluster_token or secrets.token_urlsafe(32), "FERRY_REDIS_PASSWORD": password,
+            "FERRY_API_KEY": args.api_key}
+
+
+def stack_tls(args: argparse.Namespace) -> TlsConfig:
+    tls = tls_config(args)
+    try:
+        tls.check()
+    except ValueError as e:
+        raise RuntimeError(str(e)) from e
+    if tls.serving and not tls.ca:
+        raise RuntimeError("--tls-cert needs --tls-ca (the CA that signed it: the router checks the schedulers "
+                           "with it); a self-signed certificate is its own CA")
+    return tls
+
+
+def tls_flags(tls: TlsConfig) -> list[str]:
+    return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca] if tls.serving else []
+
+
 def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     from gpu_worker.model_files import resolve_model_dir
 
+    tls = stack_tls(args)
     model_dir = str(resolve_model_dir(args.model))   # once, before N schedulers race to convert it
-    redis_url = args.redis_url
-    if not redis_url:
-        redis_port = free_port()
-        stack.redis = stack.start([redis_server_binary(), "--port", str(redis_port), "--bind", "127.0.0.1",
-                                   "--save", "", "--appendonly", "no"], "redis-server")
-        redis_url = f"redis://127.0.0.1:{redis_port}"
+    secret_env = stack_secrets(args)
+    env = {**os.environ, **secret_env}
+    redis_url = args.redis_url or start_redis(stack, secret_env["FERRY_REDIS_PASSWORD"])
     py = sys.executable
     scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
     for i, port in enumerate(scheduler_ports):
         stack.start([py, "-m", "scheduler", *engine_flags(args, model_dir), "--port", str(port), "--redis-url",
                      redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), "--drain-timeout", str(args.drain_timeout),
-                     *scheduler_metrics_flags(args, i)],
+                     *scheduler_metrics_flags(args, i), *tls_flags(tls)],
                     f"scheduler {i} on 127.0.0.1:{port}",
-                    env=worker_threads_env(args.num_schedulers))
+                    env={**worker_threads_env(args.num_schedulers), **secret_env})
     for port in scheduler_ports:
-        wait_for_health(f"127.0.0.1:{port}", stack)
+        wait_for_health(f"127.0.0.1:{port}", stack, tls=tls)
     router_address = f"{args.host}:{args.port}"
     stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
-                 "--policy", args.policy, "--drain-timeout", str(args.drain_timeout),
-                 *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
-                "router", env={**os.environ, "FERRY_API_KEY": args.api_key})
-    wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack)
-    http = f" · OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port else ""
+                 "--policy", args.policy, "--drain-timeout", str(args.drain_timeout), *limit_flags(args),
+                 *tls_flags(tls), *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
+                "router", env=env)
+    wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack, tls=tls)
+    scheme = "https" if tls.serving else "http"
+    http = f" · OpenAI HTTP {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
     print(f"[ferry] ready: router gRPC {router_address}{http} · redis {redis_url} · schedulers "
           + ", ".join(f"127.0.0.1:{p}" for p in scheduler_ports) + f" · model {model_dir}", flush=True)
     return router_address
+
+
+def limit_flags(args: argparse.Namespace) -> list[str]:
+    return ["--max-concurrent-requests-per-key", str(args.max_concurrent_requests_per_key),
+            "--max-tokens-per-minute-per-key", str(args.max_tokens_per_minute_per_key)]
 
 
 def raise_interrupt(*_) -> None:
@@ -238,7 +303,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from protos import router_pb2_grpc
 
-    with grpc.insecure_channel(args.router) as channel:
+    channel = (grpc.secure_channel(args.router, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()))
+               if args.tls_ca else grpc.insecure_channel(args.router))
+    with channel:
         try:
             metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
             for response in router_pb2_grpc.RouterStub(channel).Generate(generate_request(args), metadata=metadata):

@@ -7,6 +7,10 @@ import logging
 import os
 import sys
 
+from ferry.cluster_auth import add_secret_args, cluster_secrets
+from ferry.tls import add_tls_args, tls_config
+from router.api_keys import add_api_key_args, api_keys
+from router.limits import add_limit_args, key_limits
 from router.openai_api import add_http_args
 from router.policy import POLICIES
 from router.retry import add_retry_args, retry_options
@@ -23,26 +27,40 @@ def main() -> int:
     parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
     parser.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
     add_http_args(parser)
+    add_api_key_args(parser)
     parser.add_argument("--max-concurrent-requests", type=int, default=RouterOptions.max_concurrent_requests,
                         help="streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
     parser.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes,
                         help="largest HTTP body or gRPC message accepted")
     parser.add_argument("--drain-timeout", type=float, default=RouterOptions.drain_timeout,
                         help="on SIGTERM, seconds in-flight streams get to finish")
+    add_limit_args(parser)
     add_retry_args(parser)
+    add_secret_args(parser)
+    add_tls_args(parser, ca_help="CA the schedulers' certificates are checked against; turns TLS to schedulers on "
+                                 "(the router presents --tls-cert to them, for mutual TLS)")
+    parser.add_argument("--tls-server-name", default="",
+                        help="the name schedulers' certificates carry, when it is not the address they register")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     if not args.redis_url and not args.scheduler:
         parser.error("give --redis-url or at least one --scheduler")
     try:
-        retry = retry_options(args)
+        options = router_options(args)
     except ValueError as e:
         parser.error(str(e))
-    options = RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
-                            args.http_host, args.http_port, args.api_key, args.max_concurrent_requests,
-                            args.max_request_bytes, args.drain_timeout, retry)
     return asyncio.run(serve(options))
+
+
+def router_options(args: argparse.Namespace) -> RouterOptions:
+    """RouterOptions from the parsed flags; ValueError naming the flag that is wrong."""
+    secrets, tls = cluster_secrets(args), tls_config(args)
+    tls.check()
+    return RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
+                         args.http_host, args.http_port, api_keys(args), args.max_concurrent_requests,
+                         args.max_request_bytes, args.drain_timeout, retry_options(args), key_limits(args),
+                         secrets.cluster_token, secrets.redis_password, tls)
 
 
 if __name__ == "__main__":

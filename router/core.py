@@ -20,6 +20,7 @@ from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
+from router.limits import KeyLimiter, OverLimit
 from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.retry import RetryGovernor
@@ -29,10 +30,11 @@ from scheduler.registry import SchedulerInfo
 
 
 class RequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: int = 0):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after = retry_after   # seconds, for RESOURCE_EXHAUSTED; 0: the default
 
 
 @dataclass
@@ -109,31 +111,41 @@ class Router:
     in_flight: int = 0
     connections: dict[str, SchedulerConnection] = field(default_factory=dict)   # by scheduler address
     retries: RetryGovernor = field(default_factory=RetryGovernor)
+    key_limiter: KeyLimiter = field(default_factory=KeyLimiter)
 
     def __post_init__(self) -> None:
         self.telemetry.metrics.watch_breakers(self.retries.states)
 
     async def generate(self, request: router_pb2.GenerateRequest, trace_parent: Context | None = None,
-                       hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+                       hold: bool = False, api_key: str = "") -> AsyncIterator[router_pb2.GenerateResponse]:
         """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP). With
         `hold` (a caller that answers only at the end) nothing is yielded before the request is done, so a failed
-        scheduler's request can be retried at any point."""
-        if self.in_flight >= self.max_concurrent_requests:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"the router is at its limit of {self.max_concurrent_requests} concurrent requests; "
-                               "retry later")
+        scheduler's request can be retried at any point. `api_key`: the client's key, which its limits count."""
+        self.admit(api_key)
         self.in_flight += 1
         observed = self.telemetry.start(trace_parent)
         try:
             async for response in self.route_and_proxy(request, observed, hold):
                 observed.on_response(response)
+                self.key_limiter.charge(api_key, tokens_charged(response))
                 yield response
         except RequestError as e:
             observed.fail(e.code.name, e.message)
             raise
         finally:
             self.in_flight -= 1
+            self.key_limiter.release(api_key)
             observed.finish()
+
+    def admit(self, api_key: str) -> None:
+        if self.in_flight >= self.max_concurrent_requests:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the router is at its limit of {self.max_concurrent_requests} concurrent requests; "
+                               "retry later")
+        try:
+            self.key_limiter.admit(api_key)
+        except OverLimit as e:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after) from e
 
     async def route_and_proxy(self, request: router_pb2.GenerateRequest, observed: RequestObservation,
                               hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
@@ -164,7 +176,8 @@ class Router:
 
     def connection(self, address: str) -> SchedulerConnection:
         if address not in self.connections:
-            self.connections[address] = SchedulerConnection(self.directory.channel(address))
+            self.connections[address] = SchedulerConnection(self.directory.channel(address),
+                                                            self.directory.call_metadata)
         return self.connections[address]
 
     def candidates(self, model: str) -> list[SchedulerInfo]:
@@ -262,6 +275,11 @@ class Router:
             return RequestError(grpc.StatusCode.UNAVAILABLE,
                                 f"{log.reason} (not retried: no other scheduler to try)")
         return RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
+
+
+def tokens_charged(response: router_pb2.GenerateResponse) -> int:
+    """What a response costs its key: its completion tokens, and the prompt with the last response (the usage)."""
+    return len(response.token_ids) + (response.usage.prompt_tokens if response.HasField("usage") else 0)
 
 
 def parse_sampling(request: router_pb2.GenerateRequest) -> SamplingParams:

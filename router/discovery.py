@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 import redis.asyncio as aioredis
 
+from ferry.cluster_auth import token_metadata
+from ferry.tls import TlsConfig
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.registry import KEY_PREFIX, SchedulerInfo, block_key, scheduler_key_pattern
 
@@ -31,10 +33,14 @@ class SchedulerDirectory:
     redis_ok: bool = False
     channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
     prefix_index_live: bool = False   # the last prefix lookup reached Redis
+    redis_password: str = ""
+    cluster_token: str = ""           # presented on every call to a scheduler
+    tls: TlsConfig = TlsConfig()      # with a CA: schedulers are dialed over TLS and checked against it
 
     def __post_init__(self) -> None:
-        self.redis = (aioredis.from_url(self.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-                      if self.redis_url else None)
+        self.redis = (aioredis.from_url(self.redis_url, password=self.redis_password or None, socket_timeout=1.0,
+                                        socket_connect_timeout=1.0) if self.redis_url else None)
+        self.call_metadata = token_metadata(self.cluster_token)
         self.refreshed = asyncio.Event()
 
     async def start(self) -> None:
@@ -55,7 +61,9 @@ class SchedulerDirectory:
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
-            self.channels[address] = grpc.aio.insecure_channel(address)
+            self.channels[address] = (
+                grpc.aio.secure_channel(address, self.tls.channel_credentials(), self.tls.channel_options())
+                if self.tls.ca else grpc.aio.insecure_channel(address))
         return self.channels[address]
 
     async def keep_fresh(self) -> None:
@@ -111,7 +119,7 @@ class SchedulerDirectory:
         for address in self.static_addresses:
             try:
                 stats = await scheduler_pb2_grpc.SchedulerStub(self.channel(address)).Stats(
-                    scheduler_pb2.StatsRequest(), timeout=5.0)
+                    scheduler_pb2.StatsRequest(), timeout=5.0, metadata=self.call_metadata)
             except grpc.aio.AioRpcError as e:
                 log.warning("scheduler %s given on the command line is not answering: %s", address, e.code().name)
                 continue

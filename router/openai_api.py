@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import os
 import socket
 import time
 import uuid
@@ -29,7 +27,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import decoders
 
+from ferry.tls import TlsConfig
 from protos import common_pb2, router_pb2
+from router.api_keys import bearer_token, matching_key
 from router.core import RequestError
 from router.discovery import SchedulerDirectory
 from router.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 B = TypeVar("B", bound=BaseModel)
 
-GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False)
+GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False, api_key="")
 FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                   common_pb2.FINISH_REASON_ABORT: "abort"}
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -102,16 +102,18 @@ def directory_models(directory: SchedulerDirectory) -> ModelsFn:
 
 # --- errors ----------------------------------------------------------------------------------------------
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int = 0):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after or RETRY_AFTER_S
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        headers = {"Retry-After": str(self.retry_after)} if self.status == 429 else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -120,7 +122,7 @@ def api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, RequestError):
-        return APIError(HTTP_STATUS.get(error.code, 500), error.message)
+        return APIError(HTTP_STATUS.get(error.code, 500), error.message, retry_after=error.retry_after)
     if isinstance(error, ValueError):
         return APIError(400, str(error))
     log.exception("generate failed", exc_info=error)
@@ -175,24 +177,26 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class ApiKeyMiddleware:
-    """Bearer-token check on /v1/*; /health stays open for load balancers."""
+    """Bearer-token check on /v1/*; /health stays open for load balancers. The key found goes into the request's
+    state (`api_key`), for the per-key limits."""
 
-    def __init__(self, app: Any, api_key: str):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: Any, api_keys: list[str]):
+        self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self.authorized(scope):
-            error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                             code="invalid_api_key")
-            await error.response()(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            key = self.key_of(scope)
+            if key is None:
+                error = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                 code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+            scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
 
-    def authorized(self, scope: dict) -> bool:
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+    def key_of(self, scope: dict) -> str | None:
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        return matching_key(self.api_keys, bearer_token(given))
 
 
 # --- response shapes ---------------------------------------------------------------------------------------
@@ -471,13 +475,14 @@ class OpenAIServer:
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:
+        api_key = getattr(request.state, "api_key", "")
         if stream:
-            responses = await started(self.generate(generate_request))
+            responses = await started(self.generate(generate_request, api_key=api_key))
             return StreamingResponse(sse_events(responses, fmt, num_samples), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:   # held to the end by the router, so a failed scheduler's work can be retried at any point
-            collected = await unless_disconnected(request, collect(self.generate(generate_request, hold=True),
-                                                                   num_samples))
+            responses = self.generate(generate_request, hold=True, api_key=api_key)
+            collected = await unless_disconnected(request, collect(responses, num_samples))
         except ClientGone:
             return Response(status_code=499)
         return JSONResponse(fmt.body(collected))
@@ -489,14 +494,14 @@ def reject_unsupported(problem: tuple[str, str] | None) -> None:
         raise APIError(400, reason, param=param)
 
 
-def create_app(generate: GenerateFn, *, models: ModelsFn, api_key: str | None = None,
+def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
     server = OpenAIServer(generate, models, max_request_bytes)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
@@ -508,8 +513,6 @@ def create_app(generate: GenerateFn, *, models: ModelsFn, api_key: str | None = 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP host")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0: no HTTP")
-    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
-                        help="bearer key every /v1 HTTP call must carry (default: $FERRY_API_KEY; empty: none)")
 
 
 class EmbeddedServer(uvicorn.Server):
@@ -530,8 +533,10 @@ class HttpServer:
         await self.task
 
 
-async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 2.0) -> HttpServer:
-    """Start serving app on host:port in the running event loop; OSError if the port cannot be bound."""
+async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 2.0,
+                     tls: TlsConfig = TlsConfig()) -> HttpServer:
+    """Start serving app on host:port in the running event loop (HTTPS with tls.cert); OSError if the port cannot
+    be bound."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -540,7 +545,7 @@ async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 
         sock.close()
         raise
     server = EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=drain_timeout))
+                                           timeout_graceful_shutdown=drain_timeout, **tls.uvicorn_options()))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.01)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -12,9 +11,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ferry.config import DRAIN_TIMEOUT_S
 from ferry.telemetry import extract_metadata, setup_tracing
+from ferry.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc
+from router.api_keys import bearer_token, matching_key
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
+from router.limits import KeyLimiter, KeyLimits
 from router.metrics import RouterTelemetry
 from router.openai_api import MAX_REQUEST_BYTES, RETRY_AFTER_S, HttpServer, create_app, directory_models, serve_http
 from router.policy import POLICIES
@@ -24,24 +26,33 @@ log = logging.getLogger(__name__)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, api_key: str = "", max_request_bytes: int = MAX_REQUEST_BYTES):
+    def __init__(self, router: Router, api_keys: list[str] | None = None, max_request_bytes: int = MAX_REQUEST_BYTES):
         self.router = router
-        self.api_key = api_key
+        self.api_keys = api_keys or []
         self.max_request_bytes = max_request_bytes
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if self.api_key and not authorized(context.invocation_metadata(), self.api_key):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
-                                "(send metadata 'authorization: Bearer <key>')")
+        api_key = ""
+        if self.api_keys:
+            api_key = client_key(context.invocation_metadata(), self.api_keys)
+            if api_key is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
+                                    "(send metadata 'authorization: Bearer <key>')")
         if request.ByteSize() > self.max_request_bytes:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request is {request.ByteSize()} bytes; the limit is {self.max_request_bytes}")
         try:
-            async for response in self.router.generate(request, extract_metadata(context.invocation_metadata())):
+            trace_parent = extract_metadata(context.invocation_metadata())
+            async for response in self.router.generate(request, trace_parent, api_key=api_key):
                 yield response
         except RequestError as e:
-            retry_after = (("retry-after", str(RETRY_AFTER_S)),) if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else ()
-            await context.abort(e.code, e.message, trailing_metadata=retry_after)
+            await context.abort(e.code, e.message, trailing_metadata=retry_after(e))
+
+
+def retry_after(error: RequestError) -> tuple[tuple[str, str], ...]:
+    if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ()
+    return (("retry-after", str(error.retry_after or RETRY_AFTER_S)),)
 
 
 def grpc_server_options(max_request_bytes: int) -> list[tuple[str, int]]:
@@ -50,9 +61,9 @@ def grpc_server_options(max_request_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", 2 * max_request_bytes)]
 
 
-def authorized(metadata, api_key: str) -> bool:
-    sent = dict(metadata or ()).get("authorization", "")
-    return hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode())
+def client_key(metadata, api_keys: list[str]) -> str | None:
+    """The API key the call's `authorization: Bearer <key>` metadata carries, if it is one of api_keys."""
+    return matching_key(api_keys, bearer_token(str(dict(metadata or ()).get("authorization", ""))))
 
 
 @dataclass
@@ -65,36 +76,35 @@ class RouterOptions:
     policy: str = "cache_aware"
     http_host: str = "127.0.0.1"
     http_port: int = 0                  # 0: no HTTP
-    api_key: str = ""
+    api_keys: list[str] = field(default_factory=list)   # none: no key needed
     max_concurrent_requests: int = 4096  # more get RESOURCE_EXHAUSTED / 429
     max_request_bytes: int = MAX_REQUEST_BYTES
     drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds in-flight streams get to finish
     retry: RetryOptions = field(default_factory=RetryOptions)
+    key_limits: KeyLimits = KeyLimits()
+    cluster_token: str = ""              # presented to schedulers
+    redis_password: str = ""
+    tls: TlsConfig = TlsConfig()         # cert: TLS on gRPC and HTTP; ca: schedulers dialed over TLS, checked by it
 
 
 async def serve(options: RouterOptions) -> int:
-    directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path)
+    directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path,
+                                   redis_password=options.redis_password, cluster_token=options.cluster_token,
+                                   tls=options.tls)
     await directory.start()
     tracing = setup_tracing("ferry-router")
     router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing),
-                    max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry))
+                    max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry),
+                    key_limiter=KeyLimiter(options.key_limits))
     http = None
     if options.http_port:
-        app = create_app(router.generate, models=directory_models(directory), api_key=options.api_key or None,
-                         max_request_bytes=options.max_request_bytes)
-        router.telemetry.instrument(app)
-        try:
-            http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout)
-        except OSError as e:
-            await directory.close()
-            raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e
-        print(f"router serving OpenAI HTTP on http://{options.http_host}:{options.http_port}/v1", flush=True)
+        http = await start_http(router, directory, options)
     server = grpc.aio.server(options=grpc_server_options(options.max_request_bytes))
     router_pb2_grpc.add_RouterServicer_to_server(
-        RouterService(router, options.api_key, options.max_request_bytes), server)
+        RouterService(router, options.api_keys, options.max_request_bytes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    port = add_port(server, options)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("ferry.Router", health_pb2.HealthCheckResponse.SERVING)
@@ -107,6 +117,27 @@ async def serve(options: RouterOptions) -> int:
     await directory.close()
     tracing.shutdown()
     return 0
+
+
+async def start_http(router: Router, directory: SchedulerDirectory, options: RouterOptions) -> HttpServer:
+    app = create_app(router.generate, models=directory_models(directory), api_keys=options.api_keys,
+                     max_request_bytes=options.max_request_bytes)
+    router.telemetry.instrument(app)
+    try:
+        http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls)
+    except OSError as e:
+        await directory.close()
+        raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e
+    scheme = "https" if options.tls.serving else "http"
+    print(f"router serving OpenAI HTTP on {scheme}://{options.http_host}:{options.http_port}/v1", flush=True)
+    return http
+
+
+def add_port(server: grpc.aio.Server, options: RouterOptions) -> int:
+    address = f"{options.host}:{options.port}"
+    if options.tls.serving:
+        return server.add_secure_port(address, options.tls.server_credentials())
+    return server.add_insecure_port(address)
 
 
 async def drain(server: grpc.aio.Server, http: HttpServer | None, health_servicer: health.aio.HealthServicer,

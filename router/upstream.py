@@ -66,8 +66,9 @@ class UpstreamRequest:
 class SchedulerConnection:
     """The router's Connect stream to one scheduler, opened on the first submit."""
 
-    def __init__(self, channel: grpc.aio.Channel):
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()):
         self.stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        self.metadata = metadata   # the cluster token
         self.outgoing: asyncio.Queue | None = None   # None: no stream open
         self.requests: dict[str, UpstreamRequest] = {}
         self.reader: asyncio.Task | None = None
@@ -95,7 +96,7 @@ class SchedulerConnection:
 
     def open(self) -> None:
         self.outgoing = asyncio.Queue()
-        call = self.stub.Connect(outgoing_messages(self.outgoing))
+        call = self.stub.Connect(outgoing_messages(self.outgoing), metadata=self.metadata)
         self.reader = asyncio.create_task(self.read(call))
 
     async def read(self, call: grpc.aio.StreamStreamCall) -> None:

@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
+from ferry.cluster_auth import add_secret_args, cluster_secrets
 from ferry.config import DRAIN_TIMEOUT_S, EngineConfig
+from ferry.tls import add_tls_args, tls_config
 from scheduler.admission import AdmissionLimits
 
 
@@ -58,16 +60,26 @@ def main() -> int:
                         help="prompt tokens waiting; more get RESOURCE_EXHAUSTED")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM, seconds to finish in-flight requests before failing them")
+    add_secret_args(parser)
+    add_tls_args(parser, ca_help="callers must present a certificate this CA signed (mutual TLS); needs --tls-cert")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    try:
+        secrets, tls = cluster_secrets(args), tls_config(args)
+        tls.check()
+    except ValueError as e:
+        parser.error(str(e))
+    if tls.ca and not tls.serving:
+        parser.error("--tls-ca needs --tls-cert and --tls-key (the scheduler checks callers' certificates over TLS)")
     from scheduler.server import ServeOptions, serve
 
     options = ServeOptions(host=args.host, port=args.port, advertise_host=args.advertise_host,
                            redis_url=args.redis_url, scheduler_id=args.scheduler_id,
                            heartbeat_ttl=args.heartbeat_ttl, metrics_port=args.metrics_port,
                            log_stats_interval=args.log_stats_interval, drain_timeout=args.drain_timeout,
-                           limits=AdmissionLimits(args.max_queued_requests, args.max_queued_tokens))
+                           limits=AdmissionLimits(args.max_queued_requests, args.max_queued_tokens),
+                           cluster_token=secrets.cluster_token, redis_password=secrets.redis_password, tls=tls)
     return asyncio.run(serve(engine_config(args), options))
 
 

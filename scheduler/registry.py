@@ -67,8 +67,9 @@ class Registry:
     """Heartbeat and KV-event publisher of one scheduler; runs beside the loop, never inside it."""
 
     def __init__(self, redis_url: str, info_fn: Callable[[], SchedulerInfo], ttl: float = 3.0,
-                 prefix: str = KEY_PREFIX):
-        self.redis = aioredis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+                 prefix: str = KEY_PREFIX, password: str = ""):
+        self.redis = aioredis.from_url(redis_url, password=password or None, socket_timeout=1.0,
+                                       socket_connect_timeout=1.0)
         self.info_fn = info_fn
         self.ttl = ttl
         self.prefix = prefix

@@ -23,10 +23,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.context import Context
 
+from ferry.cluster_auth import ClusterTokenCheck
 from ferry.config import DRAIN_TIMEOUT_S, EngineConfig
 from ferry.engine import init_request
 from ferry.sampling_params import SamplingParams
 from ferry.telemetry import TRACING_OFF, Tracing, extract_metadata, setup_tracing
+from ferry.tls import TlsConfig
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.core import RequestOutput, Scheduler
@@ -432,6 +434,9 @@ class ServeOptions:
     log_stats_interval: float = 10.0  # seconds between stats lines; 0: none
     limits: AdmissionLimits = AdmissionLimits()
     drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds to finish in-flight requests before failing them
+    cluster_token: str = ""           # callers of the Scheduler service must present it; "": anyone may call
+    redis_password: str = ""
+    tls: TlsConfig = TlsConfig()      # cert: TLS on the gRPC port; ca too: callers need a certificate it signed
 
 
 def reachable_ip() -> str:
@@ -462,11 +467,11 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         info = await worker.start(config)
         loop = EngineLoop(config, worker, info, tracing, options.limits)
         scheduler_id = options.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=token_check(options))
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(loop, scheduler_id), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(f"{options.host}:{options.port}")
+        port = add_port(server, options)
         await server.start()
         address = advertised_address(options, port)
         reporting = await Reporting.start(loop.telemetry.metrics, loop.load, options.host, options.metrics_port,
@@ -478,7 +483,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
                                  info.max_model_len, info.vocab_size, config.hash_seed, stats.num_waiting,
                                  stats.num_running, stats.waiting_tokens, stats.running_tokens)
 
-        registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl) if options.redis_url else None
+        registry = (Registry(options.redis_url, registration, ttl=options.heartbeat_ttl,
+                             password=options.redis_password) if options.redis_url else None)
         if registry:
             loop.on_kv_events = registry.push_kv_events
             registry.start()
@@ -495,6 +501,22 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
             await reporting.stop()
         await worker.stop()   # the loop restarts workers in place: this is always the current one
         tracing.shutdown()
+
+
+def token_check(options: ServeOptions) -> list[grpc.aio.ServerInterceptor]:
+    if options.cluster_token:
+        return [ClusterTokenCheck(options.cluster_token)]
+    if options.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no --cluster-token: anyone who reaches %s:%s can submit, abort and read requests",
+                    options.host, options.port)
+    return []
+
+
+def add_port(server: grpc.aio.Server, options: ServeOptions) -> int:
+    address = f"{options.host}:{options.port}"
+    if options.tls.serving:
+        return server.add_secure_port(address, options.tls.server_credentials(require_client_cert=bool(options.tls.ca)))
+    return server.add_insecure_port(address)
 
 
 async def report_ready(health_servicer: health.aio.HealthServicer, registry: Registry | None) -> None:

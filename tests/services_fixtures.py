@@ -13,7 +13,9 @@ from pathlib import Path
 import grpc
 import redis
 
+from ferry.cluster_auth import token_metadata
 from ferry.launcher import Stack, free_port, wait_for_health
+from ferry.tls import TlsConfig
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 HEARTBEAT_TTL_S = 2.0
@@ -30,17 +32,22 @@ class ServiceStack:
     stack: Stack
     schedulers: list[subprocess.Popen] = field(default_factory=list)
     channels: dict[str, grpc.Channel] = field(default_factory=dict)
+    redis_password: str = ""
+    tls: TlsConfig | None = None          # channels trust tls.ca and present tls.cert
+    cluster_token: str = ""               # what scheduler calls carry
 
     def channel(self, address: str) -> grpc.Channel:
         if address not in self.channels:
-            self.channels[address] = grpc.insecure_channel(address)
+            self.channels[address] = (grpc.secure_channel(address, self.tls.channel_credentials())
+                                      if self.tls else grpc.insecure_channel(address))
         return self.channels[address]
 
     def router(self) -> router_pb2_grpc.RouterStub:
         return router_pb2_grpc.RouterStub(self.channel(self.router_address))
 
     def scheduler_stats(self, address: str) -> scheduler_pb2.StatsResponse:
-        return scheduler_pb2_grpc.SchedulerStub(self.channel(address)).Stats(scheduler_pb2.StatsRequest(), timeout=5)
+        return scheduler_pb2_grpc.SchedulerStub(self.channel(address)).Stats(
+            scheduler_pb2.StatsRequest(), timeout=5, metadata=token_metadata(self.cluster_token))
 
     def idle(self) -> bool:
         """No request running or waiting on any scheduler and every block free (cached-free blocks count)."""
@@ -51,7 +58,7 @@ class ServiceStack:
         return True
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url)
+        return redis.Redis.from_url(self.redis_url, password=self.redis_password or None)
 
     def restart_redis(self, while_down) -> None:
         """Stop Redis, run while_down(), start an empty Redis on the same port."""
@@ -60,7 +67,7 @@ class ServiceStack:
         old.wait()
         self.stack.processes.remove(old)
         while_down()
-        start_redis(self.stack, self.redis_port)
+        start_redis(self.stack, self.redis_port, self.redis_password)
 
     def stop(self) -> None:
         for channel in self.channels.values():
@@ -68,37 +75,59 @@ class ServiceStack:
         self.stack.stop()
 
 
-def start_redis(stack: Stack, port: int) -> subprocess.Popen:
+def start_redis(stack: Stack, port: int, password: str = "") -> subprocess.Popen:
+    auth = ["--requirepass", password] if password else []
     return stack.start(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                        "no"], "redis-server", stdout=subprocess.DEVNULL)
+                        "no", *auth], "redis-server", stdout=subprocess.DEVNULL)
+
+
+@dataclass
+class Secured:
+    """What a secured stack runs with: a Redis password (routers and schedulers get it), TLS files (the services
+    get them through their flags; the fixture's own calls dial with them), the cluster token the fixture's own
+    scheduler calls carry, and a folder for each scheduler's log."""
+    redis_password: str = ""
+    tls: TlsConfig | None = None
+    cluster_token: str = ""
+    log_dir: Path | None = None
+
+    def log(self, name: str):
+        return open(self.log_dir / f"{name}.log", "wb") if self.log_dir else None
 
 
 def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple[str, ...] = ("--http-port", "0"),
-                   scheduler_env: dict[str, str] | None = None, **scheduler_flags: str) -> ServiceStack:
+                   scheduler_env: dict[str, str] | None = None, secured: Secured = Secured(),
+                   **scheduler_flags: str) -> ServiceStack:
     """scheduler_env: extra environment for the schedulers (and so their workers)."""
     stack = Stack()
     try:
         redis_port = free_port()
-        start_redis(stack, redis_port)
+        start_redis(stack, redis_port, secured.redis_password)
         redis_url = f"redis://127.0.0.1:{redis_port}"
+        auth = {"--redis-password": secured.redis_password} if secured.redis_password else {}
         flags = {"--model": str(model_dir), "--dtype": "float32", "--device": "cpu",
                  "--kv-cache-memory": str(KV_CACHE_BYTES), "--redis-url": redis_url,
-                 "--heartbeat-ttl": str(HEARTBEAT_TTL_S), **scheduler_flags}
+                 "--heartbeat-ttl": str(HEARTBEAT_TTL_S), **auth, **scheduler_flags}
         addresses, schedulers = [], []
         for i in range(num_schedulers):
             port = free_port()
             args = [sys.executable, "-m", "scheduler", "--port", str(port), "--scheduler-id", f"sched-{i}"]
+            log = secured.log(f"sched-{i}")
             schedulers.append(stack.start(args + [a for kv in flags.items() for a in kv], f"scheduler {i}",
-                                          env={**CHILD_ENV, **(scheduler_env or {})}))
+                                          env={**CHILD_ENV, **(scheduler_env or {})}, stderr=log))
+            if log is not None:
+                log.close()   # the scheduler holds its own copy
             addresses.append(f"127.0.0.1:{port}")
         for address in addresses:
-            wait_for_health(address, stack, timeout=180)
+            wait_for_health(address, stack, timeout=180, tls=secured.tls)
         router_port = free_port()
         stack.start([sys.executable, "-m", "router", "--port", str(router_port), "--redis-url", redis_url,
-                     *router_flags], "router", env=CHILD_ENV)
+                     *[a for kv in auth.items() for a in kv], *router_flags], "router", env=CHILD_ENV)
         router_address = f"127.0.0.1:{router_port}"
-        wait_for_health(router_address, stack, timeout=60)
-        services = ServiceStack(redis_port, redis_url, router_address, addresses, stack, schedulers)
+        wait_for_health(router_address, stack, timeout=60, tls=secured.tls)
+        services = ServiceStack(redis_port, redis_url, router_address, addresses, stack, schedulers,
+                                redis_password=secured.redis_password, tls=secured.tls,
+                                cluster_token=secured.cluster_token)
         wait_until(lambda: len(registered_schedulers(services)) == num_schedulers, "schedulers registered")
         return services
     except BaseException:

@@ -1,0 +1,43 @@
+"""The API keys clients present to the router (`Authorization: Bearer <key>` on HTTP, the same as gRPC metadata).
+Each key is one client for the per-key limits (router/limits.py); with no key configured every call is accepted
+and all callers share one budget."""
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+from pathlib import Path
+
+API_KEY_ENV = "FERRY_API_KEY"
+
+
+def add_api_key_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="a key every gRPC and /v1 HTTP call must carry (repeatable: one per client; default: "
+                             "$FERRY_API_KEY, comma-separated; none: no key needed)")
+    parser.add_argument("--api-key-file", default="", help="more keys, one a line")
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys the flags give (else $FERRY_API_KEY's); ValueError when --api-key-file cannot be read."""
+    keys = list(args.api_key) or os.environ.get(API_KEY_ENV, "").split(",")
+    if args.api_key_file:
+        try:
+            keys += Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from e
+    return list(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
+def bearer_token(authorization: str) -> str:
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def matching_key(keys: list[str], sent: str) -> str | None:
+    """The configured key equal to `sent`, compared in constant time against every key."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(sent.encode(), key.encode()):
+            found = key
+    return found

@@ -1,0 +1,312 @@
+"""Every hop authenticated, TLS on the ports that leave the host: a real stack (redis-server with a password, a
+scheduler with its worker, a router) with the cluster token, TLS on every TCP port (certificates made here with
+`cryptography`) and per-API-key limits; and the flags' checks on their own."""
+from __future__ import annotations
+
+import datetime
+import importlib
+import ipaddress
+import os
+import ssl
+import stat
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+import redis
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ferry.cluster_auth import token_metadata
+from ferry.launcher import free_port
+from ferry.tls import TlsConfig
+from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from router.api_keys import matching_key
+from router.limits import KeyLimiter, KeyLimits, OverLimit
+from tests.services_fixtures import Secured, ServiceStack, child_pids, greedy, start_services, wait_until
+
+CLUSTER_TOKEN = "cluster-token-for-tests"
+REDIS_PASSWORD = "redis-password-for-tests"
+TOKENS_PER_MINUTE = 300
+KEYS = ("sk-e2e", "sk-sdk", "sk-busy", "sk-other", "sk-rate")
+WORKER_ENV = {"FERRY_CPU_KERNELS": "0"}   # what is tested here is the hops: torch ops, no wait on a kernel build
+
+
+# --- certificates ------------------------------------------------------------------------------------------
+def new_name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+
+
+def certificate(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(new_name(subject)).issuer_name(new_name(issuer))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = (builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                         ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_pki(directory: Path, name: str) -> TlsConfig:
+    """A CA and a certificate it signed for localhost / 127.0.0.1, serving and client use."""
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = certificate(f"{name} CA", ca_key, f"{name} CA", ca_key, ca=True)
+    cert = certificate("localhost", key, f"{name} CA", ca_key, ca=False)
+    paths = TlsConfig(str(directory / f"{name}.pem"), str(directory / f"{name}-key.pem"),
+                      str(directory / f"{name}-ca.pem"))
+    Path(paths.cert).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    Path(paths.ca).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_key(Path(paths.key), key)
+    return paths
+
+
+# --- the secured stack -------------------------------------------------------------------------------------
+@dataclass
+class SecureStack:
+    services: ServiceStack
+    tls: TlsConfig
+    http_base: str
+    log_dir: Path
+
+    @property
+    def scheduler(self) -> str:
+        return self.services.scheduler_addresses[0]
+
+    def scheduler_stub(self, tls: TlsConfig | None = None) -> scheduler_pb2_grpc.SchedulerStub:
+        channel = grpc.secure_channel(self.scheduler, (tls or self.tls).channel_credentials())
+        return scheduler_pb2_grpc.SchedulerStub(channel)
+
+    def router(self) -> router_pb2_grpc.RouterStub:
+        credentials = grpc.ssl_channel_credentials(Path(self.tls.ca).read_bytes())
+        return router_pb2_grpc.RouterStub(grpc.secure_channel(self.services.router_address, credentials))
+
+    def https(self) -> httpx.Client:
+        return httpx.Client(verify=ssl.create_default_context(cafile=self.tls.ca), timeout=60)
+
+    def post(self, client: httpx.Client, key: str, max_tokens: int, **body) -> httpx.Response:
+        """A completion of `max_tokens` tokens under `key`."""
+        return client.post(self.http_base + "/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"prompt": "Paris is the capital of", "max_tokens": max_tokens, **body})
+
+    def counters(self) -> tuple[int, int, int]:
+        stats = self.services.scheduler_stats(self.scheduler)
+        return stats.prompt_tokens_total, stats.generation_tokens_total, stats.num_waiting + stats.num_running
+
+
+@pytest.fixture(scope="module")
+def secure(tiny_llama_dir, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("security")
+    tls = make_pki(directory, "ferry")
+    http_port = free_port()
+    tls_flags = ("--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca)
+    router_flags = ("--http-port", str(http_port), "--cluster-token", CLUSTER_TOKEN, *tls_flags,
+                    *[a for key in KEYS for a in ("--api-key", key)], "--max-concurrent-requests-per-key", "1",
+                    "--max-tokens-per-minute-per-key", str(TOKENS_PER_MINUTE))
+    secured = Secured(REDIS_PASSWORD, tls, CLUSTER_TOKEN, directory)
+    services = start_services(tiny_llama_dir, 1, router_flags, WORKER_ENV, secured,
+                              **{"--cluster-token": CLUSTER_TOKEN, "--tls-cert": tls.cert, "--tls-key": tls.key,
+                                 "--tls-ca": tls.ca})
+    stack = SecureStack(services, tls, f"https://127.0.0.1:{http_port}/v1", directory)
+    try:
+        with stack.https() as client:
+            wait_until(lambda: client.get(f"https://127.0.0.1:{http_port}/health").status_code == 200, "HTTPS health")
+        yield stack
+    finally:
+        services.stop()
+
+
+# --- the cluster token -------------------------------------------------------------------------------------
+def scheduler_request(request_id: str) -> scheduler_pb2.ScheduleRequest:
+    return scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=[5, 6, 7, 8], sampling=greedy(4))
+
+
+@pytest.mark.parametrize("metadata", [(), token_metadata("not-the-token")], ids=["no token", "wrong token"])
+def test_scheduler_refuses_calls_without_the_cluster_token_and_does_no_work(secure, metadata):
+    stub, before = secure.scheduler_stub(), secure.counters()
+    calls = {"Stats": lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=10, metadata=metadata),
+             "Generate": lambda: list(stub.Generate(scheduler_request("g"), timeout=10, metadata=metadata)),
+             "Abort": lambda: stub.Abort(scheduler_pb2.AbortRequest(request_id="g"), timeout=10, metadata=metadata),
+             "Connect": lambda: list(stub.Connect(iter([scheduler_pb2.ConnectRequest(submit=scheduler_pb2.SubmitRequest(
+                 request=scheduler_request("c")))]), timeout=10, metadata=metadata))}
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+        assert "cluster token" in refused.value.details()
+    assert secure.counters() == before            # nothing was queued, prefilled or generated
+    log = (secure.log_dir / "sched-0.log").read_text()
+    assert "refused /ferry.Scheduler/Connect from ipv4:127.0.0.1:" in log
+
+
+def test_scheduler_serves_callers_with_the_token(secure):
+    responses = list(secure.scheduler_stub().Generate(scheduler_request("ok"), timeout=30,
+                                                      metadata=token_metadata(CLUSTER_TOKEN)))
+    assert sum(len(r.token_ids) for r in responses) == 4
+
+
+def test_scheduler_health_stays_open_for_probes_without_the_token(secure):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.secure_channel(secure.scheduler, secure.tls.channel_credentials())
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_workers_socket_lies_in_a_directory_only_its_user_can_open(secure):
+    worker = child_pids(secure.services.schedulers[0].pid)[0]
+    argv = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
+    socket_path = Path(argv[argv.index(b"--socket") + 1].decode())
+    assert stat.S_ISSOCK(socket_path.stat().st_mode)
+    directory = socket_path.parent.stat()
+    assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.getuid()
+
+
+# --- TLS ---------------------------------------------------------------------------------------------------
+def test_the_whole_stack_answers_over_tls(secure):
+    request = router_pb2.GenerateRequest(text="Paris is the capital of", sampling=greedy(8))
+    responses = list(secure.router().Generate(request, timeout=60, metadata=[("authorization", "Bearer sk-e2e")]))
+    assert sum(len(r.token_ids) for r in responses) == 8
+    assert responses[-1].usage.completion_tokens == 8
+
+
+def test_a_plain_text_client_is_refused_on_every_port(secure):
+    request = router_pb2.GenerateRequest(text="hello", sampling=greedy(2))
+    with pytest.raises(grpc.RpcError) as plain_grpc:
+        list(router_pb2_grpc.RouterStub(grpc.insecure_channel(secure.services.router_address)).Generate(
+            request, timeout=10, metadata=[("authorization", "Bearer sk-e2e")]))
+    assert plain_grpc.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(httpx.TransportError):
+        httpx.get(secure.http_base.replace("https://", "http://") + "/models", timeout=10)
+    with pytest.raises(grpc.RpcError) as plain_scheduler:
+        scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(secure.scheduler)).Stats(
+            scheduler_pb2.StatsRequest(), timeout=10, metadata=token_metadata(CLUSTER_TOKEN))
+    assert plain_scheduler.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_scheduler_refuses_a_tls_client_without_a_certificate_its_ca_signed(secure, tmp_path):
+    stranger = make_pki(tmp_path, "stranger")
+    no_certificate = TlsConfig(ca=secure.tls.ca)
+    wrong_ca = TlsConfig(stranger.cert, stranger.key, secure.tls.ca)
+    for tls in (no_certificate, wrong_ca):
+        with pytest.raises(grpc.RpcError) as refused:
+            secure.scheduler_stub(tls).Stats(scheduler_pb2.StatsRequest(), timeout=10,
+                                             metadata=token_metadata(CLUSTER_TOKEN))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_openai_sdk_works_over_https_with_the_test_ca(secure):
+    with secure.https() as http_client:
+        client = openai.OpenAI(base_url=secure.http_base, api_key="sk-sdk", http_client=http_client, max_retries=0)
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+        assert chat.usage.completion_tokens == 6
+        stream = client.completions.create(model=model, prompt="Paris is", max_tokens=5, stream=True)
+        assert sum(1 for chunk in stream if chunk.choices and chunk.choices[0].text) >= 1
+
+
+# --- per-key limits ----------------------------------------------------------------------------------------
+def test_a_key_over_its_concurrency_cap_gets_429_while_another_key_is_served(secure):
+    long = {"max_tokens": 900, "ignore_eos": True, "n": 4}
+    with secure.https() as client, ThreadPoolExecutor(5) as pool:
+        busy = [pool.submit(secure.post, client, "sk-busy", **long) for _ in range(5)]
+        other = secure.post(client, "sk-other", 4)
+        responses = [f.result() for f in busy]
+    assert other.status_code == 200
+    assert sorted({r.status_code for r in responses}) == [200, 429]
+    for refused in (r for r in responses if r.status_code == 429):
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "1 concurrent requests" in refused.json()["error"]["message"]
+
+
+def test_a_key_past_its_token_rate_gets_429_with_retry_after_while_another_key_is_served(secure):
+    with secure.https() as client:
+        assert secure.post(client, "sk-rate", TOKENS_PER_MINUTE + 20, ignore_eos=True).status_code == 200
+        refused = secure.post(client, "sk-rate", 4)
+        assert refused.status_code == 429
+        assert int(refused.headers["Retry-After"]) >= 4   # at 5 tokens/s, 20+ tokens of debt take 4+ s to repay
+        assert f"{TOKENS_PER_MINUTE} tokens a minute" in refused.json()["error"]["message"]
+        assert secure.post(client, "sk-other", 4).status_code == 200
+    request = router_pb2.GenerateRequest(text="hello", sampling=greedy(2))
+    with pytest.raises(grpc.RpcError) as over_grpc:
+        list(secure.router().Generate(request, timeout=10, metadata=[("authorization", "Bearer sk-rate")]))
+    assert over_grpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert int(dict(over_grpc.value.trailing_metadata())["retry-after"]) >= 4
+
+
+def test_key_limiter_counts_streams_and_tokens_per_key():
+    now = [0.0]
+    limiter = KeyLimiter(KeyLimits(max_concurrent=2, tokens_per_minute=60), clock=lambda: now[0])
+    limiter.admit("a")
+    limiter.admit("a")
+    with pytest.raises(OverLimit, match="2 concurrent"):
+        limiter.admit("a")
+    limiter.admit("b")                                    # another key has its own count
+    limiter.charge("a", 70)                               # 10 tokens of debt, repaid at 1 token/s
+    limiter.release("a")
+    with pytest.raises(OverLimit) as over:
+        limiter.admit("a")
+    assert over.value.retry_after == 11
+    now[0] = 11.0
+    limiter.admit("a")
+
+
+def test_an_api_key_matches_only_itself():
+    keys = ["sk-one", "sk-two"]
+    assert matching_key(keys, "sk-two") == "sk-two"
+    assert matching_key(keys, "sk-tw") is None and matching_key(keys, "") is None
+
+
+# --- Redis -------------------------------------------------------------------------------------------------
+def test_redis_refuses_clients_without_the_password_and_the_stack_uses_it(secure):
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=secure.services.redis_port).ping()
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=secure.services.redis_port, password="wrong").ping()
+    assert secure.services.redis().keys("ferry:scheduler:*")   # the scheduler registered with the password
+
+
+# --- flags -------------------------------------------------------------------------------------------------
+def run_main(module: str, flags: list[str], monkeypatch) -> int:
+    """`python -m module *flags` up to its exit, in this process."""
+    main = importlib.import_module(f"{module}.__main__").main
+    monkeypatch.setattr(sys, "argv", [module, *flags])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    return exited.value.code
+
+
+def test_bad_tls_and_secret_flags_are_refused_with_a_clear_error(tmp_path, monkeypatch, capsys):
+    pki = make_pki(tmp_path, "flags")
+    cases = {("scheduler", "--tls-cert", pki.cert): "--tls-cert and --tls-key go together",
+             ("scheduler", "--tls-ca", pki.ca): "--tls-ca needs --tls-cert",
+             ("scheduler", "--tls-cert", pki.cert, "--tls-key", pki.ca): "not a matching PEM certificate and key",
+             ("router", "--redis-url", "redis://x", "--tls-ca", str(tmp_path / "missing.pem")): "no such file",
+             ("router", "--redis-url", "redis://x", "--cluster-token-file", str(tmp_path / "none")): "cannot read"}
+    for (module, *flags), message in cases.items():
+        assert run_main(module, flags, monkeypatch) == 2
+        assert message in capsys.readouterr().err, flags
+
+
+def test_ferry_generate_reaches_a_tls_router_with_its_ca(secure):
+    ferry = str(Path(sys.executable).parent / "ferry")
+    result = subprocess.run([ferry, "generate", "Paris is", "--router", secure.services.router_address,
+                             "--tls-ca", secure.tls.ca, "--api-key", "sk-e2e", "--max-tokens", "3"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "3 completion tokens" in result.stderr, result.stderr
