@@ -26,7 +26,8 @@ def compose(files: tuple[str, ...], *command: str) -> subprocess.CompletedProces
 def test_compose_file_is_valid_and_names_every_service():
     check = compose((), "config", "-q")
     assert check.returncode == 0, check.stderr
-    assert set(compose((), "config", "--services").stdout.split()) == {"redis", "jaeger", "router", "scheduler"}
+    assert set(compose((), "config", "--services").stdout.split()) == {"secrets", "redis", "jaeger", "router",
+                                                                        "scheduler"}
 
 
 @needs_compose
@@ -53,3 +54,32 @@ def test_image_installs_every_package_ferry_ships(dockerfile: str):
     copied = set(re.findall(r"^COPY (\S+) \./\1$", (ROOT / dockerfile).read_text(), re.MULTILINE))
     assert set(packages) <= copied, f"{dockerfile} leaves out {set(packages) - copied}"
     assert re.search(r'pip install --no-build-isolation "?\.', (ROOT / dockerfile).read_text())
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """volume -> where the service mounts it (compose v1 writes "source:target:mode", v2 a mapping)."""
+    found = {}
+    for volume in service["volumes"]:
+        source, target = volume.split(":")[:2] if isinstance(volume, str) else (volume["source"], volume["target"])
+        found[source] = target
+    return found
+
+
+@needs_compose
+@pytest.mark.parametrize("overrides", OVERRIDES, ids=lambda files: "+".join(files) or "base")
+def test_router_and_schedulers_carry_the_stacks_cluster_token_and_redis_password(overrides: tuple[str, ...]):
+    services = yaml.safe_load(compose(overrides, "config").stdout)["services"]
+    for name in ("router", "scheduler"):
+        command, mounted = services[name]["command"], mounts(services[name])
+        for flag, secret in (("--cluster-token-file", "cluster-token"), ("--redis-password-file", "redis-password")):
+            assert command[command.index(flag) + 1] == f"{mounted['ferry-secrets']}/{secret}", (name, flag)
+
+
+@needs_compose
+def test_compose_redis_requires_the_generated_password_and_publishes_no_port():
+    services = yaml.safe_load(compose((), "config").stdout)["services"]
+    script = services["secrets"]["command"][-1]
+    assert "requirepass" in script and "/dev/urandom" in script
+    redis = services["redis"]
+    assert redis["command"] == ["redis-server", "/secrets/redis.conf"] and "ports" not in redis
+    assert redis["depends_on"]["secrets"]["condition"] == "service_completed_successfully"

@@ -279,3 +279,23 @@ def test_gateway_gauges_survive_the_text_exposition():
     names = {family.name: family.type for family in text_string_to_metric_families(text)}
     assert {names[n] for n in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                "vllm:kv_cache_usage_perc")} == {"gauge"}
+
+
+def secret_refs(container: dict) -> dict[str, tuple[str, str, bool]]:
+    """env name -> (Secret, key, optional) for every variable the container takes from a Secret."""
+    return {var["name"]: (ref["name"], ref["key"], ref.get("optional", False)) for var in container.get("env", [])
+            if "secretKeyRef" in (ref := var.get("valueFrom", {})) and (ref := ref["secretKeyRef"])}
+
+
+def test_routers_schedulers_and_redis_share_the_generated_secret():
+    (generator,) = kustomization()["secretGenerator"]
+    assert generator["envs"] == ["secrets.env"]
+    assert "/deploy/kubernetes/secrets.env" in (ROOT / ".gitignore").read_text().split(), "secrets stay out of git"
+    wanted = {"FERRY_CLUSTER_TOKEN": (generator["name"], "cluster-token", False),
+              "FERRY_REDIS_PASSWORD": (generator["name"], "redis-password", False)}
+    for module, container, _ in ferry_containers():
+        assert wanted.items() <= secret_refs(container).items(), module
+    (redis,) = [c for t in pod_templates() for c in t["spec"]["containers"] if c["name"] == "redis"]
+    refs = secret_refs(redis)
+    assert refs["REDIS_PASSWORD"] == refs["REDISCLI_AUTH"] == (generator["name"], "redis-password", False)
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
