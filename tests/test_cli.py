@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+import redis
 
 from ferry import launcher
 from ferry.launcher import free_port
+from protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import wait_until
 
 FERRY = str(Path(sys.executable).parent / "ferry")
@@ -60,6 +64,34 @@ def stop_and_check_nothing_left(up: subprocess.Popen, marker: str) -> None:
     wait_until(lambda: not processes_with_marker(marker), "every process ferry up started has exited", timeout=10)
 
 
+def process_secrets(marker: str, name: str) -> tuple[set[str], list[bytes]]:
+    """The values of environment variable `name` in the marked processes, and their command lines."""
+    values, command_lines = set(), []
+    for pid in processes_with_marker(marker):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            command_lines.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:
+            continue
+        values |= {v.decode().split("=", 1)[1] for v in environ if v.startswith(f"{name}=".encode())}
+    return values, command_lines
+
+
+def check_closed_to_strangers(banner: str, marker: str) -> None:
+    """`ferry up` made the stack's own cluster token and Redis password, kept them off every command line, and its
+    schedulers refuse callers without the token, its Redis clients without the password."""
+    redis_url, schedulers = re.search(r"· redis (\S+) · schedulers (.+?) · model ", banner).groups()
+    for name in ("FERRY_CLUSTER_TOKEN", "FERRY_REDIS_PASSWORD"):
+        (value,), command_lines = process_secrets(marker, name)
+        assert len(value) >= 32 and not any(value.encode() in line for line in command_lines), name
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(redis_url).ping()
+    with grpc.insecure_channel(schedulers.split(",")[0].strip()) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def scheduler_generation_tokens(metrics_port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
@@ -81,6 +113,7 @@ def test_ferry_up_answers_generate_and_leaves_nothing_after_sigterm(tiny_llama_d
         assert sum(scheduler_generation_tokens(metrics_port + i) for i in range(2)) == 8
         bad = ferry_generate(router, "", "--max-tokens", "8")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        check_closed_to_strangers(banner, marker)
         stop_and_check_nothing_left(up, marker)
     finally:
         if up.poll() is None:
