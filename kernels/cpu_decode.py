@@ -20,13 +20,15 @@ def extension():
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, portable: bool = False) -> torch.Tensor | None:
+                 context_lens: torch.Tensor, scale: float, portable: bool = False, window: int = 0
+                 ) -> torch.Tensor | None:
     """query [S, H, D] → [S, H, D] in the query's dtype. block_tables int32 and context_lens int32/int64 are used
-    as they are (no conversion); portable=True forces the scalar path (tests, on machines with AVX-512)."""
+    as they are (no conversion); portable=True forces the scalar path (tests, on machines with AVX-512). window > 0:
+    each query sees only the last `window` tokens of its context; blocks wholly before them are not read."""
     module = extension()
     if module is None:
         return None
-    return module.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, portable)
+    return module.paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale, portable, window)
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

@@ -15,8 +15,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[blocks, positions % block_size]
 
 
-def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [Q, H, D], keys/values [C, KV, D] with the Q queries being the last Q of the C positions."""
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                     window: int = 0) -> torch.Tensor:
+    """query [Q, H, D], keys/values [C, KV, D] with the Q queries being the last Q of the C positions; window > 0:
+    each query sees its last `window` positions, itself included."""
     num_queries, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -26,6 +28,8 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     scores = q @ k.transpose(1, 2) * scale                                    # [H, Q, C]
     query_positions = torch.arange(context_len - num_queries, context_len, device=query.device)
     visible = torch.arange(context_len, device=query.device).unsqueeze(0) <= query_positions.unsqueeze(1)
+    if window:
+        visible &= torch.arange(context_len, device=query.device).unsqueeze(0) > query_positions.unsqueeze(1) - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return (scores.softmax(dim=-1) @ v).transpose(0, 1).to(query.dtype)      # [Q, H, D]
 
@@ -41,12 +45,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int = 0) -> torch.Tensor:
     outputs = []
     for seq, context_len in enumerate(context_lens.tolist()):
         keys = gather_context(k_cache, block_tables[seq], context_len)
         values = gather_context(v_cache, block_tables[seq], context_len)
-        outputs.append(causal_attention(query[seq:seq + 1], keys, values, scale))
+        outputs.append(causal_attention(query[seq:seq + 1], keys, values, scale, window))
     return torch.cat(outputs)
 
 

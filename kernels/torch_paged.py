@@ -4,7 +4,10 @@ take one gather of every context and one SDPA call, and prefill chunks are atten
 batched matmuls, unpadded.
 
 The per-step work (gather indices and masks from block tables) is done once by prepare(); every layer then
-calls attend() with that metadata.
+calls attend() with that metadata. A sliding window (each query sees its last `window` positions, itself
+included) goes to the C++ kernel, which skips the blocks before it, or into the masks of the torch path;
+prepare(masked=True) builds the masks whatever kernel could run, and attend() softcaps scores (Gemma 2) on that
+path only.
 """
 from __future__ import annotations
 
@@ -33,26 +36,30 @@ class PagedMetadata:
     prefill_chunks: list[PrefillChunk] | None = None
     block_tables: torch.Tensor | None = None  # for the C++ decode kernel
     context_lens: torch.Tensor | None = None
+    window: int = 0                           # the C++ kernel's sliding window (0: none)
 
 
 def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
-            block_size: int) -> PagedMetadata:
+            block_size: int, window: int = 0, masked: bool = False) -> PagedMetadata:
     """block_tables [S, max_blocks]; context_lens [S] (new tokens included); query_lens [S] new tokens each."""
     device = block_tables.device
     num_seqs = block_tables.shape[0]
     max_query_len = int(query_lens.max())
-    if device.type == "cpu" and cpu_decode.extension() is not None:
+    if not masked and device.type == "cpu" and cpu_decode.extension() is not None:
         if max_query_len > 1:
             block_tables, context_lens = query_rows_as_decodes(block_tables, context_lens, query_lens)
-        return PagedMetadata(int(context_lens.shape[0]), 1, None, None, None, block_tables, context_lens)
+        return PagedMetadata(int(context_lens.shape[0]), 1, None, None, None, block_tables, context_lens, window)
     if max_query_len > 1:
         return PagedMetadata(num_seqs, max_query_len, None, None,
-                             prefill_chunks(block_tables, context_lens.tolist(), query_lens.tolist(), block_size))
+                             prefill_chunks(block_tables, context_lens.tolist(), query_lens.tolist(), block_size,
+                                            window))
     max_context = int(context_lens.max())
     positions = torch.arange(max_context, device=device)
     kv_slots = context_slots(block_tables, positions, block_size)
     key_valid = positions.unsqueeze(0) < context_lens.unsqueeze(1).long()                  # [S, C]
-    needs_mask = bool((context_lens != max_context).any())
+    if window:
+        key_valid &= positions.unsqueeze(0) >= context_lens.unsqueeze(1).long() - window
+    needs_mask = masked or window > 0 or bool((context_lens != max_context).any())
     return PagedMetadata(num_seqs, 1, kv_slots, key_valid.view(num_seqs, 1, 1, -1) if needs_mask else None)
 
 
@@ -74,7 +81,7 @@ def query_rows_as_decodes(block_tables: torch.Tensor, context_lens: torch.Tensor
 
 
 def prefill_chunks(block_tables: torch.Tensor, context_lens: list[int], query_lens: list[int],
-                   block_size: int) -> list[PrefillChunk]:
+                   block_size: int, window: int = 0) -> list[PrefillChunk]:
     """Per sequence, not padded to the longest: padding would cost the square of the longest chunk for all."""
     device = block_tables.device
     chunks, row = [], 0
@@ -83,6 +90,8 @@ def prefill_chunks(block_tables: torch.Tensor, context_lens: list[int], query_le
         slots = context_slots(block_tables[seq:seq + 1], positions, block_size)[0]
         query_positions = torch.arange(context - query, context, device=device)
         blocked = positions.unsqueeze(0) > query_positions.unsqueeze(1)
+        if window:
+            blocked |= positions.unsqueeze(0) <= query_positions.unsqueeze(1) - window
         chunks.append(PrefillChunk(slice(row, row + query), slots, blocked))
         row += query
     return chunks
@@ -94,13 +103,15 @@ def pads_decodes() -> bool:
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
-           scale: float) -> torch.Tensor:
-    """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]."""
+           scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]. softcap needs metadata from
+    prepare(masked=True)."""
     if meta.prefill_chunks is not None:
-        return torch.cat([attend_prefill_chunk(query[c.rows], k_cache, v_cache, c, scale)
+        return torch.cat([attend_prefill_chunk(query[c.rows], k_cache, v_cache, c, scale, softcap)
                           for c in meta.prefill_chunks])
     if meta.block_tables is not None:
-        return cpu_decode.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return cpu_decode.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                       window=meta.window)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     keys = gather_context(k_cache, meta.kv_slots)
@@ -108,12 +119,25 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
     # One token per sequence: the query heads sharing a KV head act as that head's query rows, which keeps
     # SDPA on its dense path (no GQA expansion).
     q = query.view(meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)
+    if softcap:
+        out = softcapped_attention(q, keys, values, meta.mask, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)
     return out.reshape(meta.num_seqs, num_heads, head_dim)
 
 
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                         scale: float, softcap: float) -> torch.Tensor:
+    """q [..., Q, D], keys/values [..., C, D], visible broadcastable to [..., Q, C]: scores capped at softcap
+    (cap * tanh(s / cap)) before the mask, in float32, as Gemma 2 computes them."""
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
 def attend_prefill_chunk(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk,
-                         scale: float) -> torch.Tensor:
+                         scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Plain batched matmuls, one batch entry per KV head with its query heads stacked as rows: at these sizes
     this is several times faster on CPU than SDPA's flash kernel. Scores and softmax in float32."""
     query_len, num_heads, head_dim = query.shape
@@ -123,6 +147,8 @@ def attend_prefill_chunk(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     values = gather_context(v_cache, chunk.kv_slots.view(1, -1))[0]
     q = query.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
     scores = torch.bmm(q.float(), keys.float().transpose(1, 2)).mul_(scale)   # [KVH, G * Q, C]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores.view(num_kv_heads, group, query_len, -1).masked_fill_(chunk.blocked, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.bmm(probs, values)                                            # [KVH, G * Q, D]

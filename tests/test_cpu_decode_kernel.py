@@ -80,6 +80,24 @@ def test_other_block_sizes(block_size):
     check([1, 7, 8, 9, 31, 33, 600], 3, 3, 64, torch.bfloat16, seed=block_size, block_size=block_size)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("window", [1, 6, 16, 37, 600, 5000])
+def test_sliding_window_attends_to_the_last_tokens_and_reads_nothing_before_them(window, portable):
+    context_lens = [1, 15, 17, 40, 100, 1500]
+    generator = torch.Generator().manual_seed(window)
+    k_cache, v_cache, tables = scattered_pool(context_lens, 2, 64, torch.float32, generator)
+    query = torch.randn(len(context_lens), 6, 64, generator=generator)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    expected = reference.paged_attention_decode(query, k_cache, v_cache, tables, lens, 0.125, window=window)
+    for seq, length in enumerate(context_lens):   # the tokens before each window turn to garbage
+        for position in range(max(0, length - window)):
+            block, offset = int(tables[seq, position // 16]), position % 16
+            k_cache[block, offset] = float("nan")
+            v_cache[block, offset] = float("nan")
+    out = cpu_decode.paged_decode(query, k_cache, v_cache, tables, lens, 0.125, portable=portable, window=window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_single_sequence_and_large_scores():
     # one long sequence (split across threads) with peaked scores: the running max must rescale correctly
     generator = torch.Generator().manual_seed(1)

@@ -257,3 +257,34 @@ def test_kernel_benchmark_says_when_there_is_no_gpu(capsys) -> None:
     from benchmarks import kernel_bench
     assert kernel_bench.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def dense_windowed(batch: PagedBatch, seq: int, num_new: int, scale: float, window: int,
+                   softcap: float) -> torch.Tensor:
+    """The last num_new positions' outputs, each seeing its last `window` positions, scores softcapped (0: not)."""
+    q = batch.queries[seq].float().transpose(0, 1)[:, -num_new:]
+    group = q.shape[0] // batch.keys[seq].shape[1]
+    k = batch.keys[seq].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = batch.values[seq].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    query_positions = torch.arange(k.shape[1] - num_new, k.shape[1]).unsqueeze(1)
+    positions = torch.arange(k.shape[1]).unsqueeze(0)
+    visible = (positions <= query_positions) & (positions > query_positions - window)
+    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("path", ["kernel", "masks", "masks-softcapped"])
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 12]])
+def test_sliding_window_on_the_torch_backend_matches_a_dense_reference(new_tokens: list[int], path: str) -> None:
+    context_lens, window = [14, 3, 25], 6
+    batch = make_batch(context_lens, num_heads=6, num_kv_heads=2, dtype=torch.float32, seed=5)
+    query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
+    query_lens = torch.tensor(new_tokens, dtype=torch.int32)
+    softcap = 1.5 if path == "masks-softcapped" else 0.0
+    meta = torch_paged.prepare(batch.block_tables, batch.context_lens, query_lens, BLOCK_SIZE, window,
+                               masked=path != "kernel")
+    out = torch_paged.attend(query, batch.k_cache, batch.v_cache, meta, 0.2, softcap)
+    expected = torch.cat([dense_windowed(batch, seq, n, 0.2, window, softcap) for seq, n in enumerate(new_tokens)])
+    assert_close(out, expected, torch.float32)
