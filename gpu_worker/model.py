@@ -1,7 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) in Ferry's own layers, attending over the paged KV pool."""
+"""Ferry's shared model layers: the shape read from a config, rotary tables, a layer's elementwise ops, and the
+attention over the paged KV pool. The families themselves live in gpu_worker/models/ (one file each)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from kernels import torch_paged
 
 
 @dataclass
@@ -25,36 +26,79 @@ class ModelShape:
     attention_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qk_norm: bool = False      # an RMSNorm over each head of q and k before the rotary (Qwen3, Gemma 3)
+    layer_windows: tuple[int, ...] = ()   # each layer's sliding window (0: global attention)
 
     @classmethod
-    def from_hf_config(cls, config) -> ModelShape:
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    def from_hf_config(cls, config, **extra) -> ModelShape:
+        """The fields every decoder-only config spells the same way; a family adds its own as keyword arguments."""
+        params = rope_parameters(config)
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial rotary embeddings are not supported ({config.model_type})")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
+        fields = dict(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
             num_heads=config.num_attention_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
-            attention_bias=getattr(config, "attention_bias", False) or config.model_type == "qwen2",
+            attention_bias=bool(getattr(config, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=config.max_position_embeddings)
+            max_position_embeddings=config.max_position_embeddings, layer_windows=layer_windows(config))
+        return cls(**(fields | extra))
 
 
-def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] for every rope type transformers knows."""
+def layer_windows(config) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it: to the layers layer_types calls sliding where the
+    config has layer_types, to every layer where it has only sliding_window (Mistral, Phi-3, Mixtral)."""
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return (window,) * config.num_hidden_layers
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
+    return params.get(layer_type, params) if layer_type else params
+
+
+def rope_cos_sin(config, head_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] for every rope type transformers knows; layer_type picks the
+    parameters of configs that have one set per kind of layer (Gemma 3)."""
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
+    if rope_type == "longrope":
+        return longrope_cos_sin(config, max_positions)
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
+    elif layer_type:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+    return cos_sin_of(inv_freq, scaling, torch.arange(max_positions))
+
+
+def cos_sin_of(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.outer(positions.float(), inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def longrope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3's LongRoPE: the short factors below original_max_position_embeddings, the long ones from there on.
+    transformers picks one set per forward call by the call's highest position: the same as this table for every
+    decode step and for prompts shorter than the original context."""
+    original = rope_parameters(config)["original_max_position_embeddings"]
+    short_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=original + 1)
+    positions = torch.arange(max_positions)
+    short, long = cos_sin_of(short_freq, scaling, positions), cos_sin_of(long_freq, scaling, positions)
+    is_long = (positions >= original).unsqueeze(1)
+    return torch.where(is_long, long[0], short[0]), torch.where(is_long, long[1], short[1])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,115 +149,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-class Attention(nn.Module):
-    def __init__(self, shape: ModelShape):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
-        self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size, bias=shape.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
-        self.scale = shape.head_dim ** -0.5
-
-
-class MLP(nn.Module):
-    def __init__(self, shape: ModelShape):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape):
-        super().__init__()
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """One decoder layer's parts, looked up once: the forward runs 30-odd layers a step, and going through
-    nn.Module calls and attribute lookups for each part cost ~4% of a decode step at batch 64 on CPU."""
-    qkv_proj: object        # the linear layers' forward methods
-    o_proj: object
-    gate_up_proj: object
-    down_proj: object
-    post_attention_norm: RMSNorm
-    next_norm: RMSNorm      # the next layer's input norm, or the final norm after the last layer
-    num_heads: int
-    num_kv_heads: int
-    q_size: int
-    scale: float
-
-    @classmethod
-    def of(cls, layer: DecoderLayer, next_norm: RMSNorm) -> LayerPlan:
-        attn, mlp = layer.self_attn, layer.mlp
-        return cls(attn.qkv_proj.forward, attn.o_proj.forward, mlp.gate_up_proj.forward, mlp.down_proj.forward,
-                   layer.post_attention_layernorm, next_norm, attn.num_heads, attn.num_kv_heads, attn.q_size,
-                   attn.scale)
-
-    def forward(self, hidden, residual, cos, sin, kv, batch, ops) -> torch.Tensor:
-        """hidden: this layer's normalised input; residual: the residual stream, updated in place. Returns the
-        next layer's normalised input (next_norm applied), as vLLM fuses it: each add goes with the next norm."""
-        k_cache, v_cache = kv
-        q = ops.rotary_store_kv(self.qkv_proj(hidden), cos, sin, k_cache, v_cache, batch.slot_mapping,
-                                self.num_heads, self.num_kv_heads)
-        attn = self.o_proj(batch.attend(q, k_cache, v_cache, self.scale).reshape(-1, self.q_size))
-        norm = self.post_attention_norm
-        hidden = ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
-        mlp = self.down_proj(ops.silu_mul(self.gate_up_proj(hidden)))
-        return ops.add_rms_norm(mlp, residual, self.next_norm.weight, self.next_norm.eps)
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, shape: ModelShape):
-        super().__init__()
-        self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
-        if shape.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rope_cos = self.rope_sin = None   # float32 tables [max_positions, head_dim], set by the loader
-        self.layer_ops = None                  # TorchLayerOps or kernels.cpu_layers.CpuLayerOps, set by the loader
-        self.layer_plans: list[LayerPlan] | None = None   # built by the first forward, once the linears are final
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], batch: "AttentionBatch") -> torch.Tensor:
-        ops = self.layer_ops
-        residual = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(residual.dtype)  # cast after lookup, as transformers does
-        sin = self.rope_sin[positions].to(residual.dtype)
-        first_norm = self.layers[0].input_layernorm
-        hidden = ops.rms_norm(residual, first_norm.weight, first_norm.eps)
-        if self.layer_plans is None:
-            self.layer_plans = self.plan_layers()
-        for plan, kv in zip(self.layer_plans, kv_caches):
-            hidden = plan.forward(hidden, residual, cos, sin, kv, batch, ops)
-        return hidden
-
-    def plan_layers(self) -> list[LayerPlan]:
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        return [LayerPlan.of(layer, next_norm) for layer, next_norm in zip(self.layers, next_norms)]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype (the sampler widens them only where it needs to)."""
-        return self.lm_head(hidden)
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), as Gemma caps its attention scores and logits."""
+    return torch.tanh(x / cap) * cap
 
 
 @dataclass
 class AttentionBatch:
     """What every layer's attention needs for one step, built once per step by the model runner: groups of
-    sequences (decodes of similar context length, then prefill chunks), each a contiguous run of token rows."""
+    sequences (decodes of similar context length, then prefill chunks), each a contiguous run of token rows.
+    window_groups: the same rows prepared by kernels.torch_paged per sliding window (0: none, for softcapped
+    scores), for the layers the backend does not cover (model_runner.ModelRunner.window_groups)."""
     backend: ModuleType
     slot_mapping: torch.Tensor
     groups: list[tuple[slice, object]]   # (token rows, backend metadata)
+    window_groups: dict[int, list[tuple[slice, object]]] = field(default_factory=dict)
 
-    def attend(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """q [T, H, D]; every token's K and V are already in the pool."""
+    def attend(self, q, k_cache, v_cache, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """q [T, H, D]; every token's K and V are already in the pool. A window no context of this step reaches
+        has no groups of its own: those layers attend as global ones."""
+        if window not in self.window_groups:
+            window = 0
+        if window or softcap:
+            return torch.cat([torch_paged.attend(q[rows], k_cache, v_cache, meta, scale, softcap)
+                              for rows, meta in self.window_groups[window]])
         if len(self.groups) == 1:
             return self.backend.attend(q, k_cache, v_cache, self.groups[0][1], scale)
         return torch.cat([self.backend.attend(q[rows], k_cache, v_cache, meta, scale) for rows, meta in self.groups])

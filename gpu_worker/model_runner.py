@@ -8,8 +8,9 @@ import torch
 
 from ferry.sampling_params import SamplingParams
 from gpu_worker.kv_pool import KVPool
-from gpu_worker.model import AttentionBatch, LlamaForCausalLM
+from gpu_worker.model import AttentionBatch
 from gpu_worker.sampler import SampleRow, sample
+from kernels import torch_paged
 from protos import worker_pb2
 
 
@@ -42,7 +43,7 @@ class ScheduledChunk:
 
 @dataclass
 class ModelRunner:
-    model: LlamaForCausalLM
+    model: torch.nn.Module    # a family's model (gpu_worker/models)
     pool: KVPool
     backend: object
     device: torch.device
@@ -132,9 +133,29 @@ class ModelRunner:
             num_rows = sum(c.num_tokens for c in group)
             groups.append((slice(row, row + num_rows), self.metadata(group)))
             row += num_rows
-        return AttentionBatch(self.backend, slots, groups)
+        windows = {w: self.window_groups(chunks, num_decode, w) for w in self.windows_in_reach(chunks)}
+        return AttentionBatch(self.backend, slots, groups, windows)
 
-    def metadata(self, chunks: list[ScheduledChunk]):
+    def windows_in_reach(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The model's sliding windows that some context of this step is longer than, and 0 where its scores are
+        softcapped (its global layers need torch_paged too)."""
+        longest = max(c.end for c in chunks)
+        reached = [w for w in self.model.attention_windows if w < longest]
+        return reached + [0] if self.model.attention_softcap else reached
+
+    def window_groups(self, chunks: list[ScheduledChunk], num_decode: int, window: int) -> list[tuple[slice, object]]:
+        """The decodes, then the prefill chunks, prepared by torch_paged for a window (0: causal only): on the CPU
+        its C++ kernel where the scores are not softcapped, else masks."""
+        groups, row = [], 0
+        for group in (chunks[:num_decode], chunks[num_decode:]):
+            if group:
+                num_rows = sum(c.num_tokens for c in group)
+                groups.append((slice(row, row + num_rows), self.metadata(group, window=window)))
+                row += num_rows
+        return groups
+
+    def metadata(self, chunks: list[ScheduledChunk], window: int | None = None):
+        """The backend's metadata for these chunks, or torch_paged's for a window (0: none)."""
         width = max((c.end + self.pool.block_size - 1) // self.pool.block_size for c in chunks)
         tables = torch.zeros(len(chunks), width, dtype=torch.int32)
         for i, c in enumerate(chunks):
@@ -143,6 +164,9 @@ class ModelRunner:
         context_lens = torch.tensor([c.end for c in chunks], dtype=torch.int32)
         query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32)
         to = lambda t: t.to(self.device)  # noqa: E731
+        if window is not None:
+            return torch_paged.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size,
+                                       window, masked=bool(self.model.attention_softcap))
         return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size)
 
 

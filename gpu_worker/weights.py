@@ -1,4 +1,5 @@
-"""Loads Hugging Face safetensors checkpoints into Ferry's fused layers."""
+"""Loads Hugging Face safetensors checkpoints into Ferry's layers; each model names the checkpoint tensors its
+parameters come from (model.checkpoint_tensor)."""
 from __future__ import annotations
 
 import json
@@ -6,14 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-
-from gpu_worker.model import LlamaForCausalLM
-
-FUSED = {  # Ferry parameter suffix -> the checkpoint's parts, concatenated along dim 0
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
+from torch import nn
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -36,23 +30,26 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: nn.Module, model_dir: Path) -> None:
     checkpoint = read_checkpoint(model_dir)
     for name, param in model.named_parameters():
-        source = checkpoint_tensor(checkpoint, name)
+        source = model.checkpoint_tensor(checkpoint, name)
         if source.shape != param.shape:
             raise ValueError(f"weight {name}: checkpoint shape {tuple(source.shape)} != model {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(source)
 
 
-def checkpoint_tensor(checkpoint: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    if name == "lm_head.weight" and name not in checkpoint:
+def fused_checkpoint_tensor(checkpoint: dict[str, torch.Tensor], name: str,
+                            fused: dict[str, tuple[str, ...]]) -> torch.Tensor:
+    """The checkpoint's tensor of that name, or the parts a fused parameter is made of (fused: Ferry parameter
+    suffix -> the checkpoint's parts, concatenated along dim 0), or the embedding for an untied-in-name lm_head."""
+    if name in checkpoint:
+        return checkpoint[name]
+    if name == "lm_head.weight":
         return checkpoint["embed_tokens.weight"]
-    for suffix, parts in FUSED.items():
+    for suffix, parts in fused.items():
         if name.endswith(suffix):
             prefix = name[: -len(suffix)]
             return torch.cat([checkpoint[prefix + p] for p in parts], dim=0)
-    if name not in checkpoint:
-        raise ValueError(f"weight {name} missing from the checkpoint")
-    return checkpoint[name]
+    raise ValueError(f"weight {name} missing from the checkpoint")

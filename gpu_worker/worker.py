@@ -9,9 +9,10 @@ from transformers import AutoConfig
 
 from gpu_worker import cpu_features, cpu_heap, cpu_linear
 from gpu_worker.kv_pool import KVPool, kv_budget
-from gpu_worker.model import LlamaForCausalLM, ModelShape, TorchLayerOps, rope_cos_sin
+from gpu_worker.model import TorchLayerOps
 from gpu_worker.model_files import resolve_model_dir
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models import model_class
 from gpu_worker.weights import load_weights
 from kernels import cpu_decode, cpu_layers, select_backend
 from protos import worker_pb2
@@ -71,9 +72,10 @@ class Worker:
             cpu_heap.keep_freed_memory()
         model_dir = resolve_model_dir(req.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        shape = ModelShape.from_hf_config(hf_config)
+        family = model_class(hf_config.model_type)
+        shape = family.shape_from_config(hf_config)
         max_model_len = req.max_model_len or min(shape.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        model = self.load_model(shape, hf_config, max_model_len, model_dir, dtype, device)
+        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device)
         block_size = req.block_size or 16
         pool = KVPool(shape, block_size, kv_budget(req.kv_cache_memory, device), dtype, device)
         backend = select_backend(req.attention_backend or "auto", device.type)
@@ -91,16 +93,15 @@ class Worker:
             model_name=model_dir.name, model_path=str(model_dir.resolve()), device_info=info)
 
     @staticmethod
-    def load_model(shape, hf_config, max_model_len, model_dir, dtype, device) -> LlamaForCausalLM:
+    def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device) -> torch.nn.Module:
         with torch.device("meta"):
-            model = LlamaForCausalLM(shape)
+            model = family(shape)
         model = model.to_empty(device=device)
         load_weights(model, model_dir)
         model = model.to(dtype).eval()
         if cpu_linear.available(dtype, device):
             cpu_linear.pack_linear_layers(model)
-        cos, sin = rope_cos_sin(hf_config, shape.head_dim, max_model_len)
-        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+        model.load_rope(hf_config, max_model_len, device)
         return model
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
