@@ -57,7 +57,8 @@ if [[ $want_test == 1 ]] && ! command -v docker-compose >/dev/null; then
 fi
 
 log "preparing the default model"
-"$VENV/bin/python" -c "from gpu_worker.model_files import resolve_model_dir; print('[setup] model:', resolve_model_dir(''))" >&2
+"$VENV/bin/python" -c "from gpu_worker.model_files import resolve_model_dir
+print('[setup] model:', resolve_model_dir(''))" >&2
 log "building the C++ CPU kernels (cached after the first build)"
 "$VENV/bin/python" -c "from kernels import cpu_decode, cpu_layers; cpu_decode.extension(); cpu_layers.extension()"
 log "done: $VENV/bin/ferry is ready"

@@ -187,8 +187,9 @@ inline int64_t ceil_log2(int64_t x) {
 // The sum of a row's squares in the order eager torch adds them: x.float().pow(2) rounds each square to fp32 (no
 // fused multiply-add), and .mean() on the CPU is cascade_sum (ATen/native/cpu/SumKernel.cpp): vectors of
 // `Lanes` floats, 4 interleaved accumulators over groups of 4 vectors, cascaded into levels every 16 groups,
-// then the scalar tail, then the lanes one by one. Rows shorter than a vector are summed as vectors of 1. An RMSNorm that differs from transformers' by an ulp of its
-// sum rounds some bf16 outputs the other way, and over 30 layers that can change the greedy answer.
+// then the scalar tail, then the lanes one by one. Rows shorter than a vector are summed as vectors of 1. An
+// RMSNorm that differs from transformers' by an ulp of its sum rounds some bf16 outputs the other way, and over
+// 30 layers that can change the greedy answer.
 template <typename T, int Lanes>
 float torch_order_sum_of_squares(const Storage<T>* x, int64_t n) {
   constexpr int kIlp = 4, kLevels = 4;
