@@ -89,6 +89,7 @@ def refusal(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandle
     make = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[(handler.request_streaming, handler.response_streaming)](refuse, request_deserializer=handler.request_deserializer,
+            (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming,
+                                                                  handler.response_streaming)]
+    return make(refuse, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)

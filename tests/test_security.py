@@ -3,6 +3,7 @@ scheduler with its worker, a router) with the cluster token, TLS on every TCP po
 `cryptography`) and per-API-key limits; and the flags' checks on their own."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 import importlib
 import ipaddress
@@ -30,7 +31,9 @@ from ferry.launcher import free_port
 from ferry.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from router.api_keys import matching_key
+from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, KeyLimits, OverLimit
+from scheduler.registry import Registry, SchedulerInfo
 from tests.services_fixtures import Secured, ServiceStack, child_pids, greedy, start_services, wait_until
 
 CLUSTER_TOKEN = "cluster-token-for-tests"
@@ -280,6 +283,46 @@ def test_redis_refuses_clients_without_the_password_and_the_stack_uses_it(secure
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=secure.services.redis_port, password="wrong").ping()
     assert secure.services.redis().keys("ferry:scheduler:*")   # the scheduler registered with the password
+
+
+def start_tls_redis(pki: TlsConfig, port: int) -> subprocess.Popen:
+    return subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", pki.cert, "--tls-key-file", pki.key, "--tls-ca-cert-file", pki.ca,
+                             "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD, "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+
+
+async def register_and_discover(url: str) -> None:
+    info = SchedulerInfo("sched-tls", "127.0.0.1:1", "tiny", "/models/tiny", 16, 1024, 512)
+    registry, stranger = Registry(url, lambda: info, password=REDIS_PASSWORD), Registry(url, lambda: info)
+    directory = SchedulerDirectory(url, redis_password=REDIS_PASSWORD)
+    try:
+        assert not await stranger.beat()                  # no password: Redis refuses the registration
+        assert await registry.beat()
+        await directory.refresh()
+        assert list(directory.live) == ["sched-tls"]
+    finally:
+        for closing in (registry.close(), stranger.redis.aclose(), directory.close()):
+            await closing
+
+
+def test_a_rediss_url_with_its_ca_and_the_password_reaches_a_tls_redis(tmp_path):
+    pki, port = make_pki(tmp_path, "redis"), free_port()
+    server = start_tls_redis(pki, port)
+    url = f"rediss://127.0.0.1:{port}?ssl_ca_certs={pki.ca}"
+    try:
+        wait_until(lambda: redis_answers(url), "TLS Redis up")
+        asyncio.run(register_and_discover(url))
+    finally:
+        server.kill()
+        server.wait()
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return redis.Redis.from_url(url, password=REDIS_PASSWORD).ping()
+    except redis.ConnectionError:
+        return False
 
 
 # --- flags -------------------------------------------------------------------------------------------------
