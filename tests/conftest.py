@@ -24,6 +24,19 @@ CORPUS = [
 ] * 20
 
 
+def transformers_greedy(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """transformers `generate`'s greedy continuation of each prompt alone, exactly num_tokens long: the reference
+    Ferry's batched outputs must equal token for token."""
+    import torch
+
+    outputs = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                             do_sample=False)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
 def build_tiny_tokenizer(path: Path, vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ferry import Engine, EngineConfig, SamplingParams
+from tests.conftest import transformers_greedy
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 12
@@ -34,12 +35,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir, prompts) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    outputs = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    return transformers_greedy(model, prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

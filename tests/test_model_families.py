@@ -10,7 +10,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
 from ferry import Engine, EngineConfig, SamplingParams
 from gpu_worker.model import rope_cos_sin
 from gpu_worker.models import model_class
-from tests.conftest import build_tiny_tokenizer
+from tests.conftest import build_tiny_tokenizer, transformers_greedy
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 12
@@ -71,15 +71,6 @@ def prompts() -> list[list[int]]:
     return [prefix + [(37 * i + 11 * n) % 400 + 3 for i in range(n)] for n in (1, 7, 13, 20)]
 
 
-def reference(model, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                             do_sample=False)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 def tiny_engine(model_dir, **overrides) -> Engine:
     config = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
                   kv_cache_memory=1 << 22, max_model_len=64)
@@ -92,7 +83,7 @@ def kv_bytes(engine: Engine, num_blocks: int) -> int:
 
 def test_batched_greedy_generation_with_a_prefix_cache_hit_matches_transformers(family, prompts):
     _, model_dir, model = family
-    expected = reference(model, prompts)
+    expected = transformers_greedy(model, prompts, MAX_TOKENS)
     engine = tiny_engine(model_dir)
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
     hits = engine.stats().prefix_cache_hits
@@ -102,7 +93,7 @@ def test_batched_greedy_generation_with_a_prefix_cache_hit_matches_transformers(
 
 def test_preempted_requests_finish_with_the_tokens_of_transformers(family, prompts):
     _, model_dir, model = family
-    expected = reference(model, prompts)
+    expected = transformers_greedy(model, prompts, MAX_TOKENS)
     probe = tiny_engine(model_dir)
     engine = tiny_engine(model_dir, kv_cache_memory=kv_bytes(probe, 14))
     assert engine.info.num_blocks == 14

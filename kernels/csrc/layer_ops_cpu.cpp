@@ -171,12 +171,6 @@ inline void store8(uint16_t* p, __m256 x) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(x), _mm256_setzero_si256()), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
-
-inline float reduce_add8(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
 #endif
 
 // CeilLog2 of ATen/native/cpu/utils.h
@@ -234,11 +228,9 @@ float torch_order_sum_of_squares(const Storage<T>* x, int64_t n) {
 // Set from Python at load (torch.backends.cpu.get_cpu_capability(); ATen does not export its C++ query).
 int g_torch_float_lanes = 8;
 
-inline int torch_float_lanes() { return g_torch_float_lanes; }
-
 template <typename T>
 void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out, int64_t n, float eps) {
-  const int lanes = torch_float_lanes();
+  const int lanes = g_torch_float_lanes;
   const float sum = n < lanes      ? torch_order_sum_of_squares<T, 1>(x, n)
                     : lanes == 16 ? torch_order_sum_of_squares<T, 16>(x, n)
                                   : torch_order_sum_of_squares<T, 8>(x, n);
