@@ -15,6 +15,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
 
 COPY pyproject.toml setup.py README.md ./
 COPY protos ./protos
+COPY base ./base
 COPY ferry ./ferry
 COPY router ./router
 COPY scheduler ./scheduler

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.cost_model import CostProfile, step_work
-from ferry.config import EngineConfig
-from ferry.sampling_params import SamplingParams
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from router.discovery import leading_matches

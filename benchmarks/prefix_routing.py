@@ -31,7 +31,7 @@ import grpc
 from benchmarks.serve import run_load
 from benchmarks.served_stack import ServedStack
 from benchmarks.workloads import BenchRequest
-from ferry.cluster_auth import token_metadata
+from base.cluster_auth import token_metadata
 from protos import scheduler_pb2, scheduler_pb2_grpc
 
 

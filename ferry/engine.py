@@ -5,8 +5,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ferry.config import EngineConfig
-from ferry.sampling_params import SamplingParams
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
 from protos import scheduler_pb2, worker_pb2
 from scheduler.core import RequestOutput, Scheduler
 

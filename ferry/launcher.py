@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferry.config import DRAIN_TIMEOUT_S
-from ferry.tls import TlsConfig, add_tls_args, tls_config
+from base.config import DRAIN_TIMEOUT_S
+from base.tls import TlsConfig, add_tls_args, tls_config
 
 STARTUP_TIMEOUT_S = 600.0
 

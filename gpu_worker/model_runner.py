@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import AttentionBatch
 from gpu_worker.sampler import SampleRow, sample

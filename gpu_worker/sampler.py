@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 from kernels import cpu_layers
 from protos import common_pb2
 

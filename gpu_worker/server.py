@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ferry.telemetry import TRACING_OFF, Tracing, links_to, setup_tracing
+from base.telemetry import TRACING_OFF, Tracing, links_to, setup_tracing
 from gpu_worker.fault import crash_if_poisoned, poison_token
 from protos import worker_pb2, worker_pb2_grpc
 

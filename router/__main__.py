@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from ferry.cluster_auth import add_secret_args, cluster_secrets
-from ferry.tls import add_tls_args, tls_config
+from base.cluster_auth import add_secret_args, cluster_secrets
+from base.tls import add_tls_args, tls_config
 from router.api_keys import add_api_key_args, api_keys
 from router.limits import add_limit_args, key_limits
 from router.openai_api import add_http_args

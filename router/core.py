@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
 from router.detokenizer import IncrementalDetokenizer

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import grpc
 import redis.asyncio as aioredis
 
-from ferry.cluster_auth import token_metadata
-from ferry.tls import TlsConfig
+from base.cluster_auth import token_metadata
+from base.tls import TlsConfig
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.registry import KEY_PREFIX, SchedulerInfo, block_key, scheduler_key_pattern
 

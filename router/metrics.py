@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ferry.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
+from base.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
 from protos import common_pb2, router_pb2
 from scheduler.registry import SchedulerInfo
 

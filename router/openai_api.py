@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import decoders
 
-from ferry.tls import TlsConfig
+from base.tls import TlsConfig
 from protos import common_pb2, router_pb2
 from router.api_keys import bearer_token, matching_key
 from router.core import RequestError

@@ -1,7 +1,7 @@
 """OpenAI API request bodies, validated by pydantic, and their mapping onto Ferry's GenerateRequest.
 
 Only bounds the wire needs are checked here (a negative max_tokens cannot become a uint32); the meaning of each
-value (top_p in (0, 1], n >= 1, ...) is checked once, by ferry.sampling_params in the router's request path.
+value (top_p in (0, 1], n >= 1, ...) is checked once, by base.sampling_params in the router's request path.
 """
 from __future__ import annotations
 

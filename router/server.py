@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ferry.config import DRAIN_TIMEOUT_S
-from ferry.telemetry import extract_metadata, setup_tracing
-from ferry.tls import TlsConfig
+from base.config import DRAIN_TIMEOUT_S
+from base.telemetry import extract_metadata, setup_tracing
+from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc
 from router.api_keys import bearer_token, matching_key
 from router.core import RequestError, Router

@@ -7,9 +7,9 @@ import logging
 import os
 import sys
 
-from ferry.cluster_auth import add_secret_args, cluster_secrets
-from ferry.config import DRAIN_TIMEOUT_S, EngineConfig
-from ferry.tls import add_tls_args, tls_config
+from base.cluster_auth import add_secret_args, cluster_secrets
+from base.config import DRAIN_TIMEOUT_S, EngineConfig
+from base.tls import add_tls_args, tls_config
 from scheduler.admission import AdmissionLimits
 
 

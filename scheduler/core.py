@@ -11,8 +11,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from ferry.config import EngineConfig
-from ferry.sampling_params import SamplingParams
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager

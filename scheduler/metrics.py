@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ferry.telemetry import TRACING_OFF, LatencyHistogram, Tracing, traceparent
+from base.telemetry import TRACING_OFF, LatencyHistogram, Tracing, traceparent
 from protos import scheduler_pb2, worker_pb2
 from scheduler.core import RequestOutput
 

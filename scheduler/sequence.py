@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -23,12 +23,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.context import Context
 
-from ferry.cluster_auth import ClusterTokenCheck
-from ferry.config import DRAIN_TIMEOUT_S, EngineConfig
+from base.cluster_auth import ClusterTokenCheck
+from base.config import DRAIN_TIMEOUT_S, EngineConfig
 from ferry.engine import init_request
-from ferry.sampling_params import SamplingParams
-from ferry.telemetry import TRACING_OFF, Tracing, extract_metadata, setup_tracing
-from ferry.tls import TlsConfig
+from base.sampling_params import SamplingParams
+from base.telemetry import TRACING_OFF, Tracing, extract_metadata, setup_tracing
+from base.tls import TlsConfig
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.core import RequestOutput, Scheduler

@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import redis
 
-from ferry.cluster_auth import token_metadata
+from base.cluster_auth import token_metadata
 from ferry.launcher import Stack, free_port, wait_for_health
-from ferry.tls import TlsConfig
+from base.tls import TlsConfig
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 HEARTBEAT_TTL_S = 2.0

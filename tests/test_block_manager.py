@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from hypothesis import strategies as st
 
-from ferry.config import EngineConfig
-from ferry.sampling_params import SamplingParams
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
 from protos import worker_pb2
 from protos.block_hash import hash_blocks, root_hash
 from scheduler.block_manager import BlockManager

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.launcher import free_port
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 from gpu_worker.fault import CRASH_ON_TOKEN_ENV
 from protos import router_pb2
 from router.tokenizer import load_tokenizer
@@ -140,7 +140,7 @@ def timed(run, *args) -> Outcome:
 @pytest.fixture(scope="module")
 def expected(tiny_llama_dir) -> tuple[list[list[int]], list[str]]:
     """The engine's greedy tokens for each prompt, and their text as the router renders it."""
-    from ferry.config import EngineConfig
+    from base.config import EngineConfig
     from ferry.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 from gpu_worker import cpu_linear
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.worker import Worker

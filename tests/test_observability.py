@@ -295,7 +295,7 @@ def test_scheduler_metrics_name_the_workers_device_dtype_cpu_and_kernel_path(tra
 
 
 def test_tracing_is_off_and_steps_carry_nothing_without_an_endpoint(monkeypatch):
-    from ferry.telemetry import TRACING_OFF, setup_tracing
+    from base.telemetry import TRACING_OFF, setup_tracing
     from protos import scheduler_pb2, worker_pb2
     from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
 
@@ -326,7 +326,7 @@ def test_stats_line_reports_load_kv_usage_and_throughput():
 
 
 def test_requests_the_sampler_drops_add_nothing_to_steps(monkeypatch):
-    from ferry.telemetry import setup_tracing
+    from base.telemetry import setup_tracing
     from protos import scheduler_pb2, worker_pb2
     from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ferry.launcher import Stack as LauncherStack
 from ferry.launcher import free_port, wait_for_health
-from ferry.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from base.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import (CHILD_ENV, ConnectStream, ServiceStack, child_pids, collect, greedy,
                                      indexed_blocks, start_services, wait_until)
@@ -371,7 +371,7 @@ def run_soak_case(services: ServiceStack, case: SoakCase) -> tuple[str, list[int
 def test_soak_with_a_killed_worker_and_a_redis_restart_loses_and_leaks_nothing(tiny_llama_dir):
     import random
 
-    from ferry.config import EngineConfig
+    from base.config import EngineConfig
     from ferry.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))

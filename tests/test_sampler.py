@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ferry.sampling_params import SamplingParams
+from base.sampling_params import SamplingParams
 from gpu_worker.sampler import SampleRow, sample
 
 VOCAB = 50

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ferry.config import EngineConfig
-from ferry.sampling_params import SamplingParams
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
 from protos import worker_pb2
 from scheduler.core import RequestOutput, Scheduler
 

@@ -25,7 +25,7 @@ def services(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from ferry.config import EngineConfig
+    from base.config import EngineConfig
     from ferry.engine import Engine
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
@@ -33,7 +33,7 @@ def engine(tiny_llama_dir):
 
 
 def engine_greedy(engine, prompts, max_tokens):
-    from ferry.sampling_params import SamplingParams
+    from base.sampling_params import SamplingParams
 
     return engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
 
