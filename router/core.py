@@ -18,6 +18,7 @@ from opentelemetry.context import Context
 from base.sampling_params import SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, OverLimit
@@ -26,7 +27,6 @@ from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.retry import RetryGovernor
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
-from scheduler.registry import SchedulerInfo
 
 
 class RequestError(Exception):

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.launcher import Stack, free_port, wait_for_health
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.registry import SchedulerInfo, scheduler_key
+from protos.registry import SchedulerInfo, scheduler_key
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ import pytest
 
 from protos import router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
 from router.policy import POLICIES, RoutingInput, cache_aware, rendezvous_weight
-from scheduler.registry import SchedulerInfo
 from tests.services_fixtures import collect, greedy, start_services, wait_until
 
 

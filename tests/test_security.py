@@ -30,10 +30,11 @@ from base.cluster_auth import token_metadata
 from ferry.launcher import free_port
 from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from protos.registry import SchedulerInfo
 from router.api_keys import matching_key
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, KeyLimits, OverLimit
-from scheduler.registry import Registry, SchedulerInfo
+from scheduler.registry import Registry
 from tests.services_fixtures import Secured, ServiceStack, child_pids, greedy, start_services, wait_until
 
 CLUSTER_TOKEN = "cluster-token-for-tests"
