@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 
+from base.errors import StatusError
 from base.sampling_params import SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
@@ -29,12 +30,12 @@ from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
 
 
-class RequestError(Exception):
+class RequestError(StatusError):
+    """Why the router refused or failed a request; `retry_after`: seconds, for RESOURCE_EXHAUSTED (0: the default)."""
+
     def __init__(self, code: grpc.StatusCode, message: str, retry_after: int = 0):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after   # seconds, for RESOURCE_EXHAUSTED; 0: the default
+        super().__init__(code, message)
+        self.retry_after = retry_after
 
 
 @dataclass

@@ -10,20 +10,19 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from base.errors import StatusError
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 CLOSE = None   # ends a stream's outgoing messages
 
 
-class UpstreamError(Exception):
+class UpstreamError(StatusError):
     """How a request ended on the scheduler's side, as a gRPC status; `connection_lost` when the Connect stream
     itself broke (the scheduler may be gone), rather than the scheduler failing this request."""
 
     def __init__(self, code: grpc.StatusCode, message: str, connection_lost: bool = False):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.connection_lost = connection_lost
 
 
