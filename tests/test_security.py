@@ -26,12 +26,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from base.cluster_auth import token_metadata
+from base.cluster_auth import matching_key, token_metadata
 from ferry.launcher import free_port
 from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from protos.registry import SchedulerInfo
-from router.api_keys import matching_key
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, KeyLimits, OverLimit
 from scheduler.registry import Registry
