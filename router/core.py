@@ -16,6 +16,7 @@ import grpc
 from opentelemetry.context import Context
 
 from base.errors import StatusError
+from base.prompt_checks import check_fits_context, check_token_ids
 from base.sampling_params import SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
@@ -154,7 +155,7 @@ class Router:
         candidates = self.candidates(request.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
         prompt_ids = prompt_token_ids(request, tokenizer)
-        check_length(prompt_ids, params, candidates[0])
+        check_prompt(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
                                await self.directory.prefix_matches(candidates[0].model, hashes),
@@ -308,11 +309,12 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
     return ids
 
 
-def check_length(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:
-    if target.vocab_size and any(t >= target.vocab_size for t in prompt_ids):
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt token ids must lie in [0, {target.vocab_size})")
-    if target.max_model_len and len(prompt_ids) + params.max_tokens > target.max_model_len:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                           f"max_model_len ({target.max_model_len})")
+def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:
+    """The prompt against the model's vocabulary and context, where the scheduler told them (0: not told)."""
+    try:
+        if target.vocab_size:
+            check_token_ids(prompt_ids, target.vocab_size)
+        if target.max_model_len:
+            check_fits_context(len(prompt_ids), params.max_tokens, target.max_model_len)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
