@@ -190,8 +190,8 @@ def start_services(options: BenchOptions, workdir: str) -> Services:
     send_log = f"{workdir}/send_times.json"
     processes = [subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "no"], stdout=subprocess.DEVNULL)]
-    scheduler = subprocess.Popen([sys.executable, "-m", "benchmarks.synthetic_scheduler", "--port", str(scheduler_port),
-                                  "--redis-url", redis_url, "--model-path", options.model_path,
+    scheduler = subprocess.Popen([sys.executable, "-m", "benchmarks.synthetic_scheduler",
+                                  "--port", str(scheduler_port), "--redis-url", redis_url, "--model-path", options.model_path,
                                   "--step-interval", str(options.step_interval), "--batch", str(options.batch),
                                   "--send-log", send_log], stdout=subprocess.DEVNULL)
     processes.append(scheduler)
@@ -245,7 +245,8 @@ class RunResult:
         added = added_latencies(self.api, self.received, send_times)
         return {"api": self.api, "clients": self.clients, "requests": len(self.received), "tokens": self.tokens,
                 "messages": self.messages, "failed": self.failed,
-                "incomplete_requests": sum(len(t) != max_tokens for t in self.received.values()), "seconds": round(self.seconds, 2),
+                "incomplete_requests": sum(len(t) != max_tokens for t in self.received.values()),
+                "seconds": round(self.seconds, 2),
                 "tokens_per_s": round(self.tokens / self.seconds, 1),
                 "tokens_per_message": round(self.tokens / max(1, self.messages), 2),
                 "router_cpu_us_per_token": round(self.router_cpu_s / max(1, self.tokens) * 1e6, 1),

@@ -53,6 +53,7 @@ class StreamState:
     num_prompt_tokens: int
     samples: list[SampleState]
     num_cached_tokens: int = 0
+    stream_interval: int = 1   # tokens per response the client asked for
 
     @property
     def done(self) -> bool:
@@ -167,7 +168,7 @@ class Router:
             return StreamState(request_id, len(prompt_ids),
                                [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
                                                                    params.include_stop_str_in_output))
-                                for _ in range(params.n)])
+                                for _ in range(params.n)], stream_interval=max(1, request.stream_interval))
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=params.to_proto())
@@ -225,7 +226,7 @@ class Router:
         """One scheduler's try at the request; with `hold`, its responses come out only once it is done."""
         self.pending[target.scheduler_id] += 1
         observed.attempt(target)
-        request = self.connection(target.address).submit(upstream, dict(observed.metadata))
+        request = self.connection(target.address).submit(upstream, dict(observed.metadata), state.stream_interval)
         held: list[router_pb2.GenerateResponse] = []
         try:
             async for message in request:

@@ -36,3 +36,10 @@ def test_every_token_arrives_over_grpc_sse_and_http_with_its_cost_and_latency(to
         assert run["router_cpu_us_per_token"] > 0 and run["added_latency_ms_p99"] >= run["added_latency_ms_p50"]
     http = [r for r in result["runs"] if r["api"] == "http"]
     assert all(r["tokens_per_message"] == 12 for r in http)
+
+
+def test_stream_interval_reaches_grpc_and_sse_clients(tokenizer_dir):
+    result = run_router_bench(tokenizer_dir, "--clients", "2", "--apis", "grpc,sse", "--stream-interval", "4")
+    for run in result["runs"]:
+        assert run["failed"] == 0 and run["incomplete_requests"] == 0, run
+        assert run["tokens_per_message"] >= 4, run   # 12 tokens: 3 messages of 4 each
