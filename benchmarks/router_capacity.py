@@ -27,6 +27,7 @@ import httpx
 
 from ferry.launcher import free_port
 from protos import common_pb2, router_pb2, router_pb2_grpc
+from router.workers import children_of
 
 APIS = ("grpc", "sse", "http")
 PROMPT = [1, 2, 3, 4]
@@ -144,17 +145,7 @@ def process_tree_cpu_seconds(pid: int) -> float:
     except FileNotFoundError:
         return 0.0
     seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return seconds + sum(process_tree_cpu_seconds(child) for child in children(pid))
-
-
-def children(pid: int) -> list[int]:
-    pids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return pids
+    return seconds + sum(process_tree_cpu_seconds(child) for child in children_of(pid))
 
 
 @dataclass
@@ -191,7 +182,8 @@ def start_services(options: BenchOptions, workdir: str) -> Services:
     processes = [subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "no"], stdout=subprocess.DEVNULL)]
     scheduler = subprocess.Popen([sys.executable, "-m", "benchmarks.synthetic_scheduler",
-                                  "--port", str(scheduler_port), "--redis-url", redis_url, "--model-path", options.model_path,
+                                  "--port", str(scheduler_port), "--redis-url", redis_url,
+                                  "--model-path", options.model_path,
                                   "--step-interval", str(options.step_interval), "--batch", str(options.batch),
                                   "--send-log", send_log], stdout=subprocess.DEVNULL)
     processes.append(scheduler)

@@ -55,8 +55,10 @@ class SyntheticScheduler(scheduler_pb2_grpc.SchedulerServicer):
     waiting: list[Running] = field(default_factory=list)
     send_log: dict[str, list[float]] = field(default_factory=dict)
     steps: int = 0
+    connects: int = 0   # Connect streams opened: one per router process that sent a request
 
     async def Connect(self, request_iterator, context):
+        self.connects += 1
         outgoing: asyncio.Queue = asyncio.Queue()
         reader = asyncio.create_task(self.read(request_iterator, outgoing))
         try:

@@ -15,6 +15,7 @@ from router.limits import add_limit_args, key_limits
 from router.policy import POLICIES
 from router.retry import add_retry_args, retry_options
 from router.server import RouterOptions, serve
+from router.workers import run_workers
 
 
 def main() -> int:
@@ -41,6 +42,9 @@ def main() -> int:
                                  "(the router presents --tls-cert to them, for mutual TLS)")
     parser.add_argument("--tls-server-name", default="",
                         help="the name schedulers' certificates carry, when it is not the address they register")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="router processes sharing the gRPC and HTTP ports (SO_REUSEPORT); needs fixed ports")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # set on each of --workers
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
@@ -50,6 +54,10 @@ def main() -> int:
         options = router_options(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.workers > 1:
+        if args.port == 0:
+            parser.error("--workers needs a fixed --port (each worker binds it)")
+        return run_workers(args.workers, sys.argv[1:])
     return asyncio.run(serve(options))
 
 
@@ -60,7 +68,7 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     return RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
                          args.http_host, args.http_port, api_keys(args), args.max_concurrent_requests,
                          args.max_request_bytes, args.drain_timeout, retry_options(args), key_limits(args),
-                         secrets.cluster_token, secrets.redis_password, tls)
+                         secrets.cluster_token, secrets.redis_password, tls, args.reuse_port)
 
 
 if __name__ == "__main__":

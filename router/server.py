@@ -89,6 +89,7 @@ class RouterOptions:
     cluster_token: str = ""              # presented to schedulers
     redis_password: str = ""
     tls: TlsConfig = TlsConfig()         # cert: TLS on gRPC and HTTP; ca: schedulers dialed over TLS, checked by it
+    reuse_port: bool = False             # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
 
 
 async def serve(options: RouterOptions) -> int:
@@ -128,7 +129,8 @@ async def start_http(router: Router, directory: SchedulerDirectory, options: Rou
                      max_request_bytes=options.max_request_bytes)
     router.telemetry.instrument(app)
     try:
-        http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls)
+        http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls,
+                                options.reuse_port)
     except OSError as e:
         await directory.close()
         raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e

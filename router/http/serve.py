@@ -37,12 +37,14 @@ class HttpServer:
 
 
 async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 2.0,
-                     tls: TlsConfig = TlsConfig()) -> HttpServer:
+                     tls: TlsConfig = TlsConfig(), reuse_port: bool = False) -> HttpServer:
     """Start serving app on host:port in the running event loop (HTTPS with tls.cert); OSError if the port cannot
-    be bound."""
+    be bound. With reuse_port, other processes may bind it too (SO_REUSEPORT) and the kernel shares connections."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:   # `--workers N`: the workers share the port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
