@@ -5,6 +5,7 @@ FERRY_CPU_KERNELS=0 turns them all off; a build failure turns one off. Either wa
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -25,11 +26,22 @@ def build(name: str, source: str, extra_cflags: list[str]) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
         with build_lock(Path(_get_build_directory(name, verbose=False))):
-            return load(name=name, sources=[str(SOURCES / source)],
-                        extra_cflags=["-O3", "-march=native", *extra_cflags], extra_ldflags=["-fopenmp"], verbose=False)
+            flags = ["-O3", "-march=native", *extra_cflags, f"-DFERRY_HEADERS_DIGEST={headers_digest(SOURCES)}"]
+            return load(name=name, sources=[str(SOURCES / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                        verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernel %s unavailable, using torch ops: %s", name, error)
         return None
+
+
+def headers_digest(directory: Path) -> str:
+    """A digest of the shared headers (csrc/*.h), passed to the build as a flag. torch keys its build cache on the
+    sources and flags it is given, and the headers are neither: without it, an edited header could leave a stale
+    build in use (ninja's dependency log catches it only where that log survives)."""
+    digest = hashlib.sha256()
+    for header in sorted(directory.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""Kernel builds survive a builder killed mid-compile, and never run two at once in one build directory."""
+"""Kernel builds survive a builder killed mid-compile, never run two at once in one build directory, and follow
+edits of the headers the sources share."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,9 @@ import textwrap
 import threading
 from pathlib import Path
 
+import torch.utils.cpp_extension as cpp_extension
+
+from kernels import cpu_build
 from kernels.cpu_build import build_lock
 
 HOLD_THE_LOCK = textwrap.dedent("""
@@ -57,3 +61,23 @@ def test_a_second_builder_waits_until_the_first_is_gone(tmp_path):
         holder.wait()
     assert entered.wait(timeout=10)
     waiter.join()
+
+
+def test_editing_a_shared_header_changes_what_torch_keys_the_cached_build_on(tmp_path, monkeypatch):
+    """torch hashes the sources and flags it is given, not the headers they include: an edited header must show in
+    the flags, or the stale build stays in use."""
+    calls = []
+    monkeypatch.delenv("FERRY_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_build, "SOURCES", tmp_path)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build"))
+    monkeypatch.setattr(cpp_extension, "load", lambda **arguments: calls.append(arguments))
+    (tmp_path / "kernel.cpp").write_text('#include "shared.h"\n')
+    header = tmp_path / "shared.h"
+    header.write_text("inline int twice(int x) { return 2 * x; }\n")
+    cpu_build.build("ferry_test_kernel", "kernel.cpp", [])
+    cpu_build.build("ferry_test_kernel", "kernel.cpp", [])
+    header.write_text("inline int twice(int x) { return x + x; }\n")
+    cpu_build.build("ferry_test_kernel", "kernel.cpp", [])
+    first, unchanged, edited = (call["extra_cflags"] for call in calls)
+    assert first == unchanged
+    assert first != edited

@@ -20,10 +20,14 @@
 #include <type_traits>
 
 #include "cpu_simd.h"
+#include "simd_math.h"
 
 namespace {
 
 using ferry::bf16_bits_to_float;
+#if FERRY_AVX512 || FERRY_AVX2
+using ferry::exp_ps;
+#endif
 
 // fp32 -> bf16 with round-to-nearest-even, written as integer ops so that loops over it vectorise.
 inline uint16_t float_to_bf16(float f) {
@@ -81,24 +85,6 @@ template <typename T>
 constexpr bool kVectorised = !std::is_same_v<T, at::Half>;
 
 #if FERRY_AVX512
-// e^x to about 1 ulp (Cephes' expf: Cody-Waite reduction by ln 2, degree-5 polynomial); overflows to inf and
-// underflows to 0 as expf does.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -124,34 +110,9 @@ inline void store16(uint16_t* p, __m512 x) {
 #endif
 
 #if FERRY_AVX2
-// The same helpers on 8-lane AVX2 vectors. e^x as exp_ps above; 2^n is applied as two exact power-of-two products
-// (scalef's single rounding: the first product stays in the normal range, only the second can round).
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i whole = _mm256_cvtps_epi32(n);                 // [-150, 128]
-  const __m256i first = _mm256_srai_epi32(whole, 1), second = _mm256_sub_epi32(whole, first);
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 first_scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
-  const __m256 second_scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(second, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(y, first_scale), second_scale);
-}
-
+// The same helpers on 8-lane AVX2 vectors
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+inline __m256 load8(const uint16_t* p) { return ferry::load8_bf16(p); }
 
 // fp32 → bf16 bits (round to nearest even, NaN kept a NaN) in the low half of each 32-bit lane
 inline __m256i bf16_bits(__m256 x) {

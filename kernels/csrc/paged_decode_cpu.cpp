@@ -33,6 +33,7 @@
 #endif
 
 #include "cpu_simd.h"
+#include "simd_math.h"
 
 #if FERRY_AVX512 && defined(__AVX512BF16__)
 #define FERRY_BF16_DOT 1   // bf16 queries score bf16 keys with vdpbf16ps
@@ -41,6 +42,10 @@
 #endif
 
 namespace {
+
+#if FERRY_AVX512 || FERRY_AVX2
+using ferry::exp2_ps;
+#endif
 
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kPartitionTokens = 512;
@@ -160,22 +165,6 @@ inline void load32<at::Half>(const at::Half* p, __mmask32 mask, __m512& a, __m51
   const __m512i raw = _mm512_maskz_loadu_epi16(mask, p);
   a = _mm512_cvtph_ps(_mm512_castsi512_si256(raw));
   b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
-}
-
-// 2^x for x <= 0 (x below -126 gives about 0): 2^round(x) * polynomial(fraction).
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);   // [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);   // Taylor series of e^(f ln 2), error < 1e-8
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // rows[r] holds the 16 lane-wise partial sums of row r; returns the vector of the 16 row totals, in the order
@@ -376,29 +365,11 @@ template <>
 inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <>
 inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  return ferry::load8_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 template <>
 inline __m256 load8<at::Half>(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// 2^x for -126 <= x <= 0 (smaller x is clamped): 2^round(x) built in the exponent bits, times polynomial(fraction)
-inline __m256 exp2_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);   // [-0.5, 0.5]
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);   // the AVX-512 path's polynomial
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
 // rows[j] holds the 8 lane-wise partial sums of token j: returns the 8 token totals, in token order.
