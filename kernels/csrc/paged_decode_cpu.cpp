@@ -15,8 +15,11 @@
 // queries (bf16/fp16 K and V are widened on load), except that with AVX512-BF16 a bf16 query scores bf16 keys with
 // vdpbf16ps (exact bf16 products summed in fp32, the scale applied to the sums). Without AVX-512 but with AVX2 (+FMA,
 // F16C) the same algorithm runs on 8-lane vectors in natural element order; without either, a portable scalar
-// version of it. Softmax is computed in base 2, with the query
-// pre-multiplied by scale * log2(e).
+// version of it. Softmax is computed in base 2, with the query pre-multiplied by scale * log2(e).
+//
+// paged_decode reads as these steps: check_and_normalise, partition_work (the work items), decode_items (per item
+// start_item, run_item's block loop and finish_item), merge_partitions. The two vector paths share their loops over
+// query heads (heads_simd), each supplying its kernel for a group of them (Avx512::group, Avx2::group).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -270,10 +273,18 @@ inline void score_block(const T* k, int64_t k_token, int64_t n, const Layout& la
   score_tokens<T, TG, CHUNKS>(k, k_token, n, lay, st.q + first_head * lay.padded_dim, partial);
 }
 
+// The AVX-512 path, as heads_simd takes it: its chunk width and its kernel for a group of query heads.
+struct Avx512 {
+  static constexpr int64_t kChunk = 32;   // head_dim elements a chunk
+  template <typename T, int TG, int CHUNKS>
+  static void group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                    int64_t first_head, State& st);
+};
+
 // n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 32 when fixed at compile time, else 0.
 template <typename T, int TG, int CHUNKS>
-void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                  int64_t first_head, State& st) {
+void Avx512::group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                   int64_t first_head, State& st) {
   const int64_t pd = lay.padded_dim;
   const int64_t chunks = CHUNKS ? CHUNKS : pd / 32;
   const int64_t tail = lay.head_dim - (chunks - 1) * 32;
@@ -336,19 +347,6 @@ void group_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int6
     for (int g = 0; g < TG; ++g) {
       _mm512_store_ps(acc + g * pd + c * 32, _mm512_add_ps(oa[g], ea[g]));
       _mm512_store_ps(acc + g * pd + c * 32 + 16, _mm512_add_ps(ob[g], eb[g]));
-    }
-  }
-}
-
-template <typename T, int CHUNKS>
-void heads_avx512(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                  int64_t first_head, State& st) {
-  for (int64_t g = 0; g < lay.group; g += 4) {
-    switch (std::min<int64_t>(4, lay.group - g)) {
-      case 1: group_avx512<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      case 2: group_avx512<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      case 3: group_avx512<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      default: group_avx512<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
     }
   }
 }
@@ -429,10 +427,18 @@ inline void score_tokens_avx2(const T* k, int64_t k_token, int64_t n, const Layo
     for (int g = 0; g < TG; ++g) _mm256_store_ps(scores[g] + 8, _mm256_set1_ps(kNegBig));
 }
 
+// The AVX2 path, as heads_simd takes it.
+struct Avx2 {
+  static constexpr int64_t kChunk = 8;   // head_dim elements a chunk
+  template <typename T, int TG, int CHUNKS>
+  static void group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                    int64_t first_head, State& st);
+};
+
 // n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 8 when fixed at compile time, else 0.
 template <typename T, int TG, int CHUNKS>
-void group_avx2(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                int64_t first_head, State& st) {
+void Avx2::group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                 int64_t first_head, State& st) {
   const int64_t pd = lay.padded_dim;
   const int64_t chunks = CHUNKS ? CHUNKS : lay.head_dim / 8;
   alignas(32) float probs[TG][16];
@@ -478,19 +484,6 @@ void group_avx2(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_
     for (int g = 0; g < TG; ++g) _mm256_store_ps(acc + g * pd + c * 8, _mm256_add_ps(odd[g], even[g]));
   }
 }
-
-template <typename T, int CHUNKS>
-void heads_avx2(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                int64_t first_head, State& st) {
-  for (int64_t g = 0; g < lay.group; g += 4) {
-    switch (std::min<int64_t>(4, lay.group - g)) {
-      case 1: group_avx2<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      case 2: group_avx2<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      case 3: group_avx2<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      default: group_avx2<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-    }
-  }
-}
 #endif  // FERRY_AVX2
 
 template <typename T>
@@ -502,20 +495,36 @@ void heads_portable(const T* k, const T* v, int64_t k_token, int64_t v_token, in
   group_portable<T>(k, v, k_token, v_token, n, lay, first_head, lay.group, st);
 }
 
+#if FERRY_AVX512 || FERRY_AVX2
+// One block's n tokens of one KV head for its lay.group query heads, Isa::group taking up to four at a time.
+template <typename Isa, typename T, int CHUNKS>
+void heads_simd(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                int64_t first_head, State& st) {
+  for (int64_t g = 0; g < lay.group; g += 4) {
+    switch (std::min<int64_t>(4, lay.group - g)) {
+      case 1: Isa::template group<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 2: Isa::template group<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 3: Isa::template group<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      default: Isa::template group<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+    }
+  }
+}
+
+// The common head_dims get their chunk count fixed at compile time.
+template <typename Isa, typename T>
+HeadsFn<T> pick_simd_heads(const Layout& lay) {
+  if (lay.head_dim == 64) return heads_simd<Isa, T, 64 / Isa::kChunk>;
+  if (lay.head_dim == 128) return heads_simd<Isa, T, 128 / Isa::kChunk>;
+  return heads_simd<Isa, T, 0>;
+}
+#endif
+
 template <typename T>
 HeadsFn<T> pick_heads(const Layout& lay, bool portable) {
 #if FERRY_AVX512
-  if (!portable) {
-    if (lay.head_dim == 64) return heads_avx512<T, 2>;
-    if (lay.head_dim == 128) return heads_avx512<T, 4>;
-    return heads_avx512<T, 0>;
-  }
+  if (!portable) return pick_simd_heads<Avx512, T>(lay);
 #elif FERRY_AVX2
-  if (!portable && lay.head_dim % 8 == 0) {
-    if (lay.head_dim == 64) return heads_avx2<T, 8>;
-    if (lay.head_dim == 128) return heads_avx2<T, 16>;
-    return heads_avx2<T, 0>;
-  }
+  if (!portable && lay.head_dim % Avx2::kChunk == 0) return pick_simd_heads<Avx2, T>(lay);
 #endif
   (void)lay;
   (void)portable;
@@ -583,11 +592,36 @@ struct Scratch {
   }
 };
 
-}  // namespace
+// The sequences' context lengths, and the first token each one's window lets it see (0: the whole context).
+struct Contexts {
+  std::vector<int64_t> lens, starts;
+};
 
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool portable,
-                           int64_t window) {
+// The work items, longest first, and per sequence cut into several partitions their slots in the partial buffers.
+struct WorkPlan {
+  std::vector<Item> items;
+  std::vector<int64_t> first_partial, num_parts;
+  int64_t num_partials = 0;
+};
+
+// The partitions' results: [num_partials, num_heads, head_dim] unnormalised outputs, then (max, sum) per head.
+struct Partials {
+  float* acc;
+  float* ml;
+};
+
+// Where the queries are read and the outputs written.
+struct QueryIO {
+  const void* q;
+  void* out;
+  at::ScalarType type;
+  bool in_pool_dtype;          // the output has the pool's dtype: written with no per-element dtype switch
+  std::vector<int64_t> slot;   // where element d of a head lives in the kernel's query and output rows
+};
+
+// Checks the arguments and converts only what the kernel cannot read as it is.
+void check_and_normalise(torch::Tensor& query, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                         torch::Tensor& block_tables, torch::Tensor& context_lens, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "query [S, H, D], pools [N, B, KV, D]");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V pools must share a dtype");
@@ -602,19 +636,21 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   context_lens = context_lens.contiguous();
 
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(head_dim == k_cache.size(3), "query and pool head_dim differ");
   TORCH_CHECK(head_dim >= 1 && head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim, " is not supported");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(num_heads % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) >= num_seqs && context_lens.numel() >= num_seqs, "one table and length a sequence");
   TORCH_CHECK(window >= 0, "window must be 0 (none) or positive");
+}
 
+Layout make_layout(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   double scale, bool portable) {
   Layout lay;
-  lay.num_heads = num_heads;
-  lay.num_kv_heads = num_kv_heads;
-  lay.head_dim = head_dim;
-  lay.padded_dim = (head_dim + 31) / 32 * 32;
-  lay.group = num_heads / num_kv_heads;
+  lay.num_heads = query.size(1);
+  lay.num_kv_heads = k_cache.size(2);
+  lay.head_dim = query.size(2);
+  lay.padded_dim = (lay.head_dim + 31) / 32 * 32;
+  lay.group = lay.num_heads / lay.num_kv_heads;
   lay.block_size = k_cache.size(1);
   lay.k_block = k_cache.stride(0), lay.k_token = k_cache.stride(1), lay.k_head = k_cache.stride(2);
   lay.v_block = v_cache.stride(0), lay.v_token = v_cache.stride(1), lay.v_head = v_cache.stride(2);
@@ -622,148 +658,208 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   lay.qk_scale = static_cast<float>(scale) * kLog2e;
   lay.bf16_dot = FERRY_BF16_DOT && !portable && query.scalar_type() == torch::kBFloat16 &&
                  k_cache.scalar_type() == torch::kBFloat16;
-
-  const int64_t table_width = block_tables.size(1);
-  std::vector<int64_t> lens(num_seqs);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    lens[s] = context_lens.scalar_type() == torch::kInt64 ? context_lens.data_ptr<int64_t>()[s]
-                                                          : context_lens.data_ptr<int32_t>()[s];
-    TORCH_CHECK(lens[s] >= 0 && lens[s] <= table_width * lay.block_size, "context longer than its block table");
-  }
-  std::vector<int64_t> starts(num_seqs, 0);   // each sequence's first token in its window
-  if (window > 0)
-    for (int64_t s = 0; s < num_seqs; ++s) starts[s] = std::max<int64_t>(0, lens[s] - window);
-
-  // work items: partitions of at most kPartitionTokens tokens (whole blocks)
-  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / lay.block_size);
-  std::vector<Item> items;
-  std::vector<int64_t> first_partial(num_seqs, -1), num_parts(num_seqs, 0);
-  int64_t num_partials = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t blocks = (lens[s] + lay.block_size - 1) / lay.block_size;
-    const int64_t first = starts[s] / lay.block_size;
-    const int64_t parts = std::max<int64_t>(1, (blocks - first + part_blocks - 1) / part_blocks);
-    num_parts[s] = parts;
-    if (parts > 1) first_partial[s] = num_partials;
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t begin = first + p * part_blocks, end = std::min(blocks, begin + part_blocks);
-      items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(begin), static_cast<int32_t>(end),
-                       static_cast<int32_t>(parts > 1 ? num_partials + p : -1)});
-    }
-    if (parts > 1) num_partials += parts;
-  }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    return a.end_block - a.first_block > b.end_block - b.first_block;
-  });
-
-  auto out = torch::empty({num_seqs, num_heads, head_dim}, query.options());
-  // partial results: [num_partials, num_heads, head_dim] unnormalised outputs, then max and sum per head
-  thread_local std::vector<float> partials;   // reused: no page faults every call
-  partials.resize(std::max(partials.size(), static_cast<size_t>(num_partials * num_heads * (head_dim + 2))));
-  float* partial_acc = partials.data();
-  float* partial_ml = partials.data() + num_partials * num_heads * head_dim;
-
-  const at::ScalarType q_type = query.scalar_type();
-  const bool output_in_pool_dtype = q_type == k_cache.scalar_type();
-  const void* q_ptr = query.data_ptr();
-  void* out_ptr = out.data_ptr();
-  const int32_t* table_ptr = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0);
-
-  // where element d of a head lives in the kernel's query/output rows (bf16 SIMD: even then odd per 32)
-  const bool simd = FERRY_AVX512 && !portable && k_cache.scalar_type() != torch::kDouble;
-  std::vector<int64_t> slot(head_dim);
-  for (int64_t d = 0; d < head_dim; ++d)
-    slot[d] = simd && k_cache.scalar_type() == torch::kBFloat16 ? d / 32 * 32 + (d % 2) * 16 + d % 32 / 2 : d;
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
-    const scalar_t* k_pool = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_pool = v_cache.data_ptr<scalar_t>();
-    const HeadsFn<scalar_t> heads = pick_heads<scalar_t>(lay, portable);
-    std::atomic<int64_t> next{0};
-    const int64_t num_items = static_cast<int64_t>(items.size());
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      thread_local Scratch scratch;
-      State st = scratch.state(lay);
-      for (int64_t w = begin; w < end; ++w) {
-        for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-          const Item& item = items[i];
-          const int64_t s = item.seq;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            float* q = st.q + h * lay.padded_dim;
-            const int64_t q_offset = (s * num_heads + h) * head_dim;
-            if (lay.bf16_dot) {   // the only query the scores read
-              uint16_t* q_bf16 = st.q_bf16 + h * lay.padded_dim;
-              std::fill(q_bf16 + head_dim, q_bf16 + lay.padded_dim, uint16_t{0});
-              std::memcpy(q_bf16, static_cast<const at::BFloat16*>(q_ptr) + q_offset, head_dim * sizeof(uint16_t));
-            } else {
-              std::fill(q, q + lay.padded_dim, 0.f);
-              for (int64_t d = 0; d < head_dim; ++d) q[slot[d]] = to_float(q_ptr, q_type, q_offset + d) * lay.qk_scale;
-            }
-            std::fill(st.acc + h * lay.padded_dim, st.acc + (h + 1) * lay.padded_dim, 0.f);
-            st.m[h] = kNegBig;
-            st.l[h] = 0.f;
-          }
-          run_item<scalar_t>(item, heads, k_pool, v_pool, table_ptr + s * table_stride, lens[s], starts[s], lay, st);
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float* acc = st.acc + h * lay.padded_dim;
-            if (item.partial < 0) {
-              const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
-              const int64_t o_offset = (s * num_heads + h) * head_dim;
-#if FERRY_BF16_DOT
-              if (lay.bf16_dot) {
-                store_output_bf16(acc, inv, static_cast<at::BFloat16*>(out_ptr) + o_offset, head_dim);
-                continue;
-              }
-#endif
-              if (output_in_pool_dtype) {   // no per-element dtype switch
-                scalar_t* o = static_cast<scalar_t*>(out_ptr) + o_offset;
-                for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[slot[d]] * inv);
-              } else {
-                for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, acc[slot[d]] * inv);
-              }
-            } else {
-              float* dst = partial_acc + (item.partial * num_heads + h) * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc[slot[d]];
-              partial_ml[2 * (item.partial * num_heads + h)] = st.m[h];
-              partial_ml[2 * (item.partial * num_heads + h) + 1] = st.l[h];
-            }
-          }
-        }
-      }
-    });
-  });
-
-  // merge the partitions of long sequences
-  if (num_partials > 0) {
-    at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> merged(head_dim);
-      for (int64_t s = begin; s < end; ++s) {
-        if (num_parts[s] < 2) continue;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float peak = kNegBig;
-          for (int64_t p = 0; p < num_parts[s]; ++p)
-            peak = std::max(peak, partial_ml[2 * ((first_partial[s] + p) * num_heads + h)]);
-          std::fill(merged.begin(), merged.end(), 0.f);
-          float total = 0.f;
-          for (int64_t p = 0; p < num_parts[s]; ++p) {
-            const int64_t slot = (first_partial[s] + p) * num_heads + h;
-            const float weight = std::exp2(partial_ml[2 * slot] - peak);
-            total += weight * partial_ml[2 * slot + 1];
-            const float* acc = partial_acc + slot * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) merged[d] += weight * acc[d];
-          }
-          const float inv = total > 0.f ? 1.f / total : 0.f;
-          const int64_t o_offset = (s * num_heads + h) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) from_float(out_ptr, q_type, o_offset + d, merged[d] * inv);
-        }
-      }
-    });
-  }
-  return out;
+  return lay;
 }
 
+Contexts read_contexts(const torch::Tensor& context_lens, int64_t num_seqs, int64_t table_width, int64_t block_size,
+                       int64_t window) {
+  Contexts contexts{std::vector<int64_t>(num_seqs), std::vector<int64_t>(num_seqs, 0)};
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = context_lens.scalar_type() == torch::kInt64 ? context_lens.data_ptr<int64_t>()[s]
+                                                                    : context_lens.data_ptr<int32_t>()[s];
+    TORCH_CHECK(len >= 0 && len <= table_width * block_size, "context longer than its block table");
+    contexts.lens[s] = len;
+    if (window > 0) contexts.starts[s] = std::max<int64_t>(0, len - window);
+  }
+  return contexts;
+}
+
+// Cuts each sequence's blocks, from its window's first on, into work items of at most kPartitionTokens tokens
+// (whole blocks); the items of a sequence cut into several get consecutive slots in the partial buffers.
+WorkPlan partition_work(const Contexts& contexts, int64_t block_size) {
+  const int64_t num_seqs = static_cast<int64_t>(contexts.lens.size());
+  const int64_t part_blocks = std::max<int64_t>(1, kPartitionTokens / block_size);
+  WorkPlan plan{{}, std::vector<int64_t>(num_seqs, -1), std::vector<int64_t>(num_seqs, 0), 0};
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t blocks = (contexts.lens[s] + block_size - 1) / block_size;
+    const int64_t first = contexts.starts[s] / block_size;
+    const int64_t parts = std::max<int64_t>(1, (blocks - first + part_blocks - 1) / part_blocks);
+    plan.num_parts[s] = parts;
+    if (parts > 1) plan.first_partial[s] = plan.num_partials;
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = first + p * part_blocks, end = std::min(blocks, begin + part_blocks);
+      plan.items.push_back({static_cast<int32_t>(s), static_cast<int32_t>(begin), static_cast<int32_t>(end),
+                            static_cast<int32_t>(parts > 1 ? plan.num_partials + p : -1)});
+    }
+    if (parts > 1) plan.num_partials += parts;
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const Item& a, const Item& b) {
+    return a.end_block - a.first_block > b.end_block - b.first_block;
+  });
+  return plan;
+}
+
+// The partial buffers, kept by the calling thread across calls (no page faults every call).
+Partials partial_buffers(int64_t num_partials, const Layout& lay) {
+  thread_local std::vector<float> buffer;
+  const int64_t heads = num_partials * lay.num_heads;
+  buffer.resize(std::max(buffer.size(), static_cast<size_t>(heads * (lay.head_dim + 2))));
+  return {buffer.data(), buffer.data() + heads * lay.head_dim};
+}
+
+// On the AVX-512 path a bf16 head's elements are kept as the even then the odd ones of each 32 (see load32).
+QueryIO query_io(const torch::Tensor& query, const torch::Tensor& k_cache, torch::Tensor& out, bool portable) {
+  const bool simd = FERRY_AVX512 && !portable && k_cache.scalar_type() != torch::kDouble;
+  const bool even_then_odd = simd && k_cache.scalar_type() == torch::kBFloat16;
+  const int64_t head_dim = query.size(2);
+  QueryIO io{query.data_ptr(), out.data_ptr(), query.scalar_type(), query.scalar_type() == k_cache.scalar_type(),
+             std::vector<int64_t>(head_dim)};
+  for (int64_t d = 0; d < head_dim; ++d) io.slot[d] = even_then_odd ? d / 32 * 32 + (d % 2) * 16 + d % 32 / 2 : d;
+  return io;
+}
+
+// Every head of sequence s: its query loaded (scaled, zero padded, in the kernel's element order), its running
+// softmax reset.
+void start_item(int64_t s, const Layout& lay, const QueryIO& io, State& st) {
+  const int64_t* slot = io.slot.data();
+  for (int64_t h = 0; h < lay.num_heads; ++h) {
+    const int64_t q_offset = (s * lay.num_heads + h) * lay.head_dim;
+    if (lay.bf16_dot) {   // the only query the scores read
+      uint16_t* q_bf16 = st.q_bf16 + h * lay.padded_dim;
+      std::fill(q_bf16 + lay.head_dim, q_bf16 + lay.padded_dim, uint16_t{0});
+      std::memcpy(q_bf16, static_cast<const at::BFloat16*>(io.q) + q_offset, lay.head_dim * sizeof(uint16_t));
+    } else {
+      float* q = st.q + h * lay.padded_dim;
+      std::fill(q, q + lay.padded_dim, 0.f);
+      for (int64_t d = 0; d < lay.head_dim; ++d) q[slot[d]] = to_float(io.q, io.type, q_offset + d) * lay.qk_scale;
+    }
+    std::fill(st.acc + h * lay.padded_dim, st.acc + (h + 1) * lay.padded_dim, 0.f);
+    st.m[h] = kNegBig;
+    st.l[h] = 0.f;
+  }
+}
+
+// One head's normalised output row, from its accumulator times inv = 1 / sum.
+template <typename T>
+void write_output(const float* acc, float inv, int64_t o_offset, const Layout& lay, const QueryIO& io) {
+#if FERRY_BF16_DOT
+  if (lay.bf16_dot) {
+    store_output_bf16(acc, inv, static_cast<at::BFloat16*>(io.out) + o_offset, lay.head_dim);
+    return;
+  }
+#endif
+  const int64_t* slot = io.slot.data();
+  if (io.in_pool_dtype) {
+    T* o = static_cast<T*>(io.out) + o_offset;
+    for (int64_t d = 0; d < lay.head_dim; ++d) o[d] = static_cast<T>(acc[slot[d]] * inv);
+  } else {
+    for (int64_t d = 0; d < lay.head_dim; ++d) from_float(io.out, io.type, o_offset + d, acc[slot[d]] * inv);
+  }
+}
+
+// An item's result: the output when it covers its whole sequence, else its partial state for the merge.
+template <typename T>
+void finish_item(const Item& item, const Layout& lay, const QueryIO& io, const State& st, const Partials& partials) {
+  const int64_t* slot = io.slot.data();
+  for (int64_t h = 0; h < lay.num_heads; ++h) {
+    const float* acc = st.acc + h * lay.padded_dim;
+    if (item.partial < 0) {
+      const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
+      write_output<T>(acc, inv, (item.seq * lay.num_heads + h) * lay.head_dim, lay, io);
+      continue;
+    }
+    const int64_t row = item.partial * lay.num_heads + h;
+    float* dst = partials.acc + row * lay.head_dim;
+    for (int64_t d = 0; d < lay.head_dim; ++d) dst[d] = acc[slot[d]];
+    partials.ml[2 * row] = st.m[h];
+    partials.ml[2 * row + 1] = st.l[h];
+  }
+}
+
+// The threads take the items one by one, longest first, each into its own scratch state.
+template <typename T>
+void decode_items(const WorkPlan& plan, const Contexts& contexts, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_tables, const Layout& lay,
+                  const QueryIO& io, const Partials& partials, bool portable) {
+  const T* k_pool = k_cache.data_ptr<T>();
+  const T* v_pool = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const HeadsFn<T> heads = pick_heads<T>(lay, portable);
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    State st = scratch.state(lay);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+        const Item& item = plan.items[i];
+        const int64_t s = item.seq;
+        start_item(s, lay, io, st);
+        run_item<T>(item, heads, k_pool, v_pool, tables + s * table_stride, contexts.lens[s], contexts.starts[s],
+                    lay, st);
+        finish_item<T>(item, lay, io, st, partials);
+      }
+    }
+  });
+}
+
+// One head of a sequence cut into `parts` partitions: their outputs, weighted by 2^(max - the largest max), summed
+// into merged; returns the sum of their weighted sums.
+float merge_head(int64_t first_partial, int64_t parts, int64_t h, const Layout& lay, const Partials& partials,
+                 float* merged) {
+  float peak = kNegBig;
+  for (int64_t p = 0; p < parts; ++p)
+    peak = std::max(peak, partials.ml[2 * ((first_partial + p) * lay.num_heads + h)]);
+  std::fill(merged, merged + lay.head_dim, 0.f);
+  float total = 0.f;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t row = (first_partial + p) * lay.num_heads + h;
+    const float weight = std::exp2(partials.ml[2 * row] - peak);
+    total += weight * partials.ml[2 * row + 1];
+    const float* acc = partials.acc + row * lay.head_dim;
+    for (int64_t d = 0; d < lay.head_dim; ++d) merged[d] += weight * acc[d];
+  }
+  return total;
+}
+
+// The outputs of the sequences cut into several partitions (log-sum-exp of the partitions' states).
+void merge_partitions(const WorkPlan& plan, const Layout& lay, const Partials& partials, const QueryIO& io) {
+  const int64_t num_seqs = static_cast<int64_t>(plan.num_parts.size());
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(lay.head_dim);
+    for (int64_t s = begin; s < end; ++s) {
+      if (plan.num_parts[s] < 2) continue;
+      for (int64_t h = 0; h < lay.num_heads; ++h) {
+        const float total = merge_head(plan.first_partial[s], plan.num_parts[s], h, lay, partials, merged.data());
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const int64_t o_offset = (s * lay.num_heads + h) * lay.head_dim;
+        for (int64_t d = 0; d < lay.head_dim; ++d) from_float(io.out, io.type, o_offset + d, merged[d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor context_lens, double scale, bool portable,
+                           int64_t window) {
+  check_and_normalise(query, k_cache, v_cache, block_tables, context_lens, window);
+  const Layout lay = make_layout(query, k_cache, v_cache, scale, portable);
+  const int64_t num_seqs = query.size(0);
+  const Contexts contexts = read_contexts(context_lens, num_seqs, block_tables.size(1), lay.block_size, window);
+  const WorkPlan plan = partition_work(contexts, lay.block_size);
+  const Partials partials = partial_buffers(plan.num_partials, lay);
+  auto out = torch::empty({num_seqs, lay.num_heads, lay.head_dim}, query.options());
+  const QueryIO io = query_io(query, k_cache, out, portable);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_decode", [&] {
+    decode_items<scalar_t>(plan, contexts, k_cache, v_cache, block_tables, lay, io, partials, portable);
+  });
+  if (plan.num_partials > 0) merge_partitions(plan, lay, partials, io);
+  return out;
+}
 
 // Back [address, address + bytes) with 2 MiB pages where the kernel allows it (whole huge pages inside the range
 // only). Blocks are read in random order, so with 4 KiB pages nearly every block costs TLB misses (page walks are
