@@ -32,21 +32,26 @@ SOURCE_PATH = "kernels/csrc/paged_decode_cpu.cpp"
 
 
 def build_baseline(rev: str):
-    """The kernel source at git revision rev, built under its own extension name (cached by torch)."""
-    source = subprocess.run(["git", "show", f"{rev}:{SOURCE_PATH}"], cwd=REPO, check=True, capture_output=True,
-                            text=True).stdout
-    directory = Path(tempfile.gettempdir()) / "ferry_cpu_decode_bench"
-    directory.mkdir(exist_ok=True)
-    path = directory / f"paged_decode_cpu_{rev}.cpp"
-    if not path.exists() or path.read_text() != source:
-        path.write_text(source)
-    header = subprocess.run(["git", "show", f"{rev}:kernels/csrc/cpu_simd.h"], cwd=REPO, capture_output=True, text=True)
-    if header.returncode == 0:   # revisions before the shared header had none
-        (directory / "cpu_simd.h").write_text(header.stdout)
+    """The kernel source at git revision rev with the headers beside it, built under its own extension name."""
+    directory = Path(tempfile.gettempdir()) / "ferry_cpu_decode_bench" / rev
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in git_output(["ls-tree", "--name-only", rev, "kernels/csrc/"]).split():
+        if name.endswith(".h") or name == SOURCE_PATH:
+            write_if_changed(directory / Path(name).name, git_output(["show", f"{rev}:{name}"]))
+    path = directory / Path(SOURCE_PATH).name
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     from torch.utils.cpp_extension import load
     return load(name=f"ferry_paged_decode_cpu_base_{rev}", sources=[str(path)],
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+
+
+def git_output(args: list[str]) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
 
 
 def make_layer(context_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
