@@ -29,6 +29,8 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.add_argument("--policy", default="cache_aware", choices=routing_policies(), help="router's routing policy")
+    parser.add_argument("--num-routers", type=int, default=1,
+                        help="router processes sharing its ports (python -m router --workers N)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="scheduler i serves Prometheus /metrics on this port + i; 0: none")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
@@ -207,7 +209,8 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
                  "--policy", args.policy, "--drain-timeout", str(args.drain_timeout), *limit_flags(args),
-                 *tls_flags(tls), *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
+                 "--workers", str(args.num_routers), *tls_flags(tls),
+                 *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
                 "router", env=env)
     wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack, tls=tls)
     scheme = "https" if tls.serving else "http"
