@@ -142,7 +142,7 @@ class EngineLoop:
     def new_scheduler(self) -> Scheduler:
         info = self.info
         return Scheduler(self.config, info.num_blocks, info.block_size, info.max_model_len,
-                         list(info.eos_token_ids), info.model_name)
+                         list(info.eos_token_ids), info.model_name, info.model_path, info.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     trace_parent: Context | None = None, outputs: asyncio.Queue | None = None) -> RequestStream:
@@ -229,7 +229,10 @@ class EngineLoop:
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self.streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and out.error:   # e.g. its grammar did not compile: the request's fault
+                self.streams.pop(out.request_id)
+                stream.put(Refused(grpc.StatusCode.INVALID_ARGUMENT, out.error))
+            elif stream is not None:
                 stream.put(out)
 
     def forget_cached_blocks(self) -> None:
@@ -392,7 +395,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             while not stream.done:
                 _, item = await stream.outputs.get()
                 if isinstance(item, Exception):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                    await context.abort(item.code if isinstance(item, Refused) else grpc.StatusCode.UNAVAILABLE,
+                                        str(item))
                 for response in responses_for(stream, item):
                     yield response
         finally:
