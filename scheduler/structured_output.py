@@ -8,7 +8,6 @@ that never sees one never loads it, and the step loop never waits for it.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from typing import Any
 from base.structured_output import StructuredOutput
 from protos import worker_pb2
 
-log = logging.getLogger(__name__)
 GRAMMAR_CACHE_BYTES = 256 << 20     # compiled grammars kept (xgrammar's cache evicts the least recently used)
 COMPILE_THREADS = 2
 
