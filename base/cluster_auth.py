@@ -1,6 +1,7 @@
 """What Ferry's services present to each other inside a cluster: the cluster token a router sends on every scheduler
 call (gRPC metadata, compared in constant time; without it a scheduler answers UNAUTHENTICATED and logs the peer),
-and the password of the Redis they share. Both are distinct from the API keys clients send to the router.
+and the password of the Redis they share. Both are distinct from the API keys clients send to the router, which
+the router checks with the same constant-time `matching_key`.
 """
 from __future__ import annotations
 
@@ -60,7 +61,17 @@ def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
 
 def token_matches(metadata, token: str) -> bool:
     sent = dict(metadata or ()).get(TOKEN_METADATA_KEY, "")
-    return hmac.compare_digest(str(sent).encode(), token.encode())
+    return matching_key([token], str(sent)) is not None
+
+
+def matching_key(keys: list[str], sent: str) -> str | None:
+    """The key among `keys` equal to `sent` (a cluster token, an API key), compared in constant time against
+    every key; None when none is."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(sent.encode(), key.encode()):
+            found = key
+    return found
 
 
 class ClusterTokenCheck(grpc.aio.ServerInterceptor):

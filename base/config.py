@@ -1,25 +1,40 @@
-"""Engine configuration: one dataclass with defaults; each component reads the fields it knows."""
+"""Engine configuration: one dataclass with defaults; each component reads the fields it knows.
+
+The dataclass is the one source: the command-line flags (add_engine_arguments), the config they parse into
+(engine_config), the flags that hand a config to another process (engine_flags) and the worker's wire
+InitRequest (init_request) are all generated from its fields. A field's metadata holds what a flag adds:
+its help text, its choices, or the flag that turns a default-on switch off.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import Field, dataclass, field, fields
+
+from protos import worker_pb2
 
 GiB = 1 << 30
 DRAIN_TIMEOUT_S = 30.0   # on SIGTERM, how long the router and the schedulers let in-flight requests finish
+BATCHING_MODES = ("continuous", "static")
+KV_LAYOUTS = ("paged", "contiguous")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
 class EngineConfig:
-    model: str = ""                       # local HF directory; "" = the default model (SmolLM2-135M-Instruct)
+    # local HF directory; "" = the default model (SmolLM2-135M-Instruct)
+    model: str = field(default="", metadata={"help": "local HF directory; empty: the default model"})
     dtype: str = "auto"                   # float32 | bfloat16 | float16 | auto (gpu_worker.worker.resolve_dtype)
     device: str = "auto"                  # cpu | cuda | auto
     block_size: int = 16
-    kv_cache_memory: int = 0              # bytes for the KV pool; 0 = 1 GiB on CPU, 90% of free memory on CUDA
+    # bytes for the KV pool; 0 = 1 GiB on CPU, 90% of free memory on CUDA
+    kv_cache_memory: int = field(default=0, metadata={"help": "bytes; 0: default"})
     max_model_len: int = 0                # 0 = min(model's max_position_embeddings, 8192)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    batching: str = "continuous"          # continuous | static (benchmark baseline)
-    kv_layout: str = "paged"              # paged | contiguous (benchmark baseline)
+    enable_prefix_caching: bool = field(default=True, metadata={"switch_off": "--no-prefix-caching"})
+    # static | contiguous: the benchmark baselines (scheduler/baselines.py)
+    batching: str = field(default="continuous", metadata={"choices": BATCHING_MODES})
+    kv_layout: str = field(default="paged", metadata={"choices": KV_LAYOUTS})
     attention_backend: str = "auto"       # auto | torch | triton
     seed: int = 0
     hash_seed: int = 0                    # seed of the prefix block hash chain
@@ -31,9 +46,49 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.batching not in ("continuous", "static"):
+        if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.kv_layout not in ("paged", "contiguous"):
+        if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+
+def flag_name(config_field: Field) -> str:
+    return "--" + config_field.name.replace("_", "-")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field: --field-name VALUE, or the field's switch_off flag for a default-on bool."""
+    for config_field in fields(EngineConfig):
+        help_text = config_field.metadata.get("help")
+        if "switch_off" in config_field.metadata:
+            parser.add_argument(config_field.metadata["switch_off"], dest=config_field.name, action="store_false",
+                                help=help_text)
+        else:
+            parser.add_argument(flag_name(config_field), type=type(config_field.default),
+                                default=config_field.default, choices=config_field.metadata.get("choices"),
+                                help=help_text)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = [config_field.name for config_field in fields(EngineConfig)]
+    return EngineConfig(**{name: getattr(args, name) for name in names})
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The flags that give another process this config (what add_engine_arguments parses back into it)."""
+    flags = []
+    for config_field in fields(config):
+        value = getattr(config, config_field.name)
+        if "switch_off" in config_field.metadata:
+            flags += [] if value else [config_field.metadata["switch_off"]]
+        else:
+            flags += [flag_name(config_field), str(value)]
+    return flags
+
+
+def init_request(config: EngineConfig) -> worker_pb2.InitRequest:
+    """The worker's part of the config: every InitRequest field is the EngineConfig field of the same name."""
+    names = worker_pb2.InitRequest.DESCRIPTOR.fields_by_name
+    return worker_pb2.InitRequest(**{name: getattr(config, name) for name in names})

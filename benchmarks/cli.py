@@ -1,4 +1,4 @@
-"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster`."""
+"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster | router`."""
 from __future__ import annotations
 
 import argparse
@@ -54,6 +54,25 @@ def add_bench_parser(sub) -> None:
     add_prefix_parser(bench)
     add_split_parser(bench)
     add_cluster_parser(bench)
+    add_router_parser(bench)
+
+
+def add_router_parser(bench) -> None:
+    router = bench.add_parser("router", help="issue 21: tokens/s one router relays and its CPU per token, against a "
+                                             "synthetic scheduler (no model computed)")
+    router.add_argument("--model", default="", help="tokenizer directory (default: SmolLM2-135M-Instruct's)")
+    router.add_argument("--clients", default="64", help="concurrent streams, comma list for a sweep")
+    router.add_argument("--apis", default="grpc,sse,http", help="comma list of grpc, sse (OpenAI streamed), http "
+                                                                "(OpenAI, not streamed)")
+    router.add_argument("--duration", type=float, default=5.0, help="seconds of load per run")
+    router.add_argument("--max-tokens", type=int, default=128, help="per request")
+    router.add_argument("--step-interval", type=float, default=0.01, help="seconds per synthetic engine step")
+    router.add_argument("--batch", type=int, default=256, help="most requests the synthetic scheduler runs at once")
+    router.add_argument("--workers", type=int, default=1, help="router processes (python -m router --workers)")
+    router.add_argument("--stream-interval", type=int, default=0, help="tokens per message clients ask for")
+    router.add_argument("--plot-dir", type=Path)
+    router.add_argument("--json", action="store_true", help="print one JSON object")
+    router.set_defaults(handler=run_router)
 
 
 def add_prefix_parser(bench) -> None:
@@ -254,4 +273,24 @@ def run_split(args) -> int:
 
     directory = model_dir(args)
     report(args, run(args, load_requests(args, directory), directory))
+    return 0
+
+
+def run_router(args) -> int:
+    from benchmarks.router_capacity import BenchOptions, run
+
+    tokenizer_dir = args.model or model_dir(args)   # only its tokenizer is read: no config.json needed
+    options = BenchOptions(tokenizer_dir, [int(c) for c in args.clients.split(",")], args.apis.split(","),
+                           args.duration, args.max_tokens, args.step_interval, args.batch, args.workers,
+                           args.stream_interval)
+    result = run(options)
+    for r in result["runs"]:
+        print(f"[bench] {r['api']} x{r['clients']}: {r['tokens_per_s']:.0f} tok/s, "
+              f"{r['router_cpu_us_per_token']} us router CPU/token, added p50 {r['added_latency_ms_p50']} ms "
+              f"p99 {r['added_latency_ms_p99']} ms", file=sys.stderr)
+    if args.plot_dir:
+        from benchmarks.router_capacity import plot_tokens_per_s
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        plot_tokens_per_s(result["runs"], args.plot_dir / f"router_capacity_w{args.workers}.png")
+    report(args, result)
     return 0

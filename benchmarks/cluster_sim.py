@@ -20,11 +20,11 @@ from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
 from router.discovery import leading_matches
 from router.policy import RoutingInput, RoutingPolicy
 from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.core import Scheduler
-from scheduler.registry import SchedulerInfo
 
 MODEL = "sim"
 BLOCK_SIZE = 16

@@ -20,6 +20,8 @@ import time
 
 import grpc
 
+from ferry.launcher import free_port
+
 SERVICE, METHOD = "ferry.bench.Stream", "Tokens"
 MESSAGE = b"x" * 32   # about a GenerateResponse carrying one token and its text
 
@@ -67,13 +69,6 @@ def process_cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(streams: int, messages: int, interval: float) -> dict:

@@ -7,7 +7,8 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.cli import add_bench_parser
-    from ferry.launcher import add_generate_parser, add_up_parser
+    from ferry.generate import add_generate_parser
+    from ferry.launcher import add_up_parser
 
     parser = argparse.ArgumentParser(prog="ferry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

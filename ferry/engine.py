@@ -6,10 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from base.config import EngineConfig
+from base.config import EngineConfig, init_request
+from base.prompt_checks import check_token_ids
 from base.sampling_params import SamplingParams
 from protos import scheduler_pb2, worker_pb2
-from scheduler.core import RequestOutput, Scheduler
+from scheduler.baselines import scheduler_for
+from scheduler.core import RequestOutput
 
 
 @dataclass
@@ -55,9 +57,9 @@ class Engine:
             worker = Worker()
         self.worker = worker
         self.info = worker.init(init_request(self.config))
-        self.scheduler = Scheduler(self.config, self.info.num_blocks, self.info.block_size, self.info.max_model_len,
-                                   list(self.info.eos_token_ids), self.info.model_name, self.info.model_path,
-                                   self.info.vocab_size)
+        self.scheduler = scheduler_for(self.config, self.info.num_blocks, self.info.block_size,
+                                       self.info.max_model_len, list(self.info.eos_token_ids), self.info.model_name,
+                                       self.info.model_path, self.info.vocab_size)
         self._tokenizer = None
         self.ids = itertools.count()
         self.last_step_seconds = 0.0
@@ -72,8 +74,7 @@ class Engine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False).input_ids if prompt else []
-        if any(not 0 <= t < self.info.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {self.info.vocab_size})")
+        check_token_ids(prompt, self.info.vocab_size)
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -126,10 +127,3 @@ class Engine:
                 sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         return list(results.values())
 
-
-def init_request(config: EngineConfig) -> worker_pb2.InitRequest:
-    return worker_pb2.InitRequest(
-        model=config.model, dtype=config.dtype, device=config.device, kv_cache_memory=config.kv_cache_memory,
-        block_size=config.block_size, max_model_len=config.max_model_len,
-        attention_backend=config.attention_backend, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)

@@ -1,4 +1,4 @@
-"""`ferry up` (the whole stack on this machine) and `ferry generate` (a streamed completion through the router)."""
+"""`ferry up`: the whole stack on this machine (Redis, N schedulers each with its worker, a router)."""
 from __future__ import annotations
 
 import argparse
@@ -10,18 +10,16 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from base.config import DRAIN_TIMEOUT_S
+from base.config import DRAIN_TIMEOUT_S, add_engine_arguments, engine_config, engine_flags
 from base.tls import TlsConfig, add_tls_args, tls_config
 
 STARTUP_TIMEOUT_S = 600.0
 
 
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
-    from scheduler.__main__ import add_engine_arguments
-
     parser = sub.add_parser("up", help="start Redis, N schedulers (each with its worker) and a router")
     add_engine_arguments(parser)
     parser.add_argument("--num-schedulers", type=int, default=2)
@@ -62,22 +60,6 @@ def routing_policies() -> list[str]:
     return sorted(POLICIES)
 
 
-def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("generate", help="stream a completion through the router")
-    parser.add_argument("prompt")
-    parser.add_argument("--router", default="127.0.0.1:50051")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[])
-    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""), help="the router's API key, if set")
-    parser.add_argument("--tls-ca", default="", help="the router serves TLS: check its certificate with this CA")
-    parser.set_defaults(handler=run_generate)
-
-
-# --- ferry up ----------------------------------------------------------------------------------------------
 @dataclass
 class Stack:
     """Every process `ferry up` started, each in its own process group (a scheduler's group holds its worker)."""
@@ -117,6 +99,10 @@ class Stack:
     def any_exited(self) -> subprocess.Popen | None:
         return next((p for p in self.processes if p.poll() is not None), None)
 
+    def why_exited(self) -> str | None:
+        exited = self.any_exited()
+        return None if exited is None else f"process {exited.pid} exited with code {exited.returncode} during start-up"
+
 
 def signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
@@ -143,16 +129,6 @@ def redis_server_binary() -> str:
                          "or pass --redis-url") from None
 
 
-def engine_flags(args: argparse.Namespace, model_dir: str) -> list[str]:
-    flags = ["--model", model_dir, "--dtype", args.dtype, "--device", args.device, "--block-size",
-             str(args.block_size), "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len",
-             str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-             str(args.max_num_batched_tokens), "--batching", args.batching, "--kv-layout", args.kv_layout,
-             "--attention-backend", args.attention_backend, "--seed", str(args.seed), "--hash-seed",
-             str(args.hash_seed)]
-    return flags + (["--no-prefix-caching"] if args.no_prefix_caching else [])
-
-
 def scheduler_metrics_flags(args: argparse.Namespace, index: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + index)] if args.metrics_port else []
 
@@ -160,24 +136,13 @@ def scheduler_metrics_flags(args: argparse.Namespace, index: int) -> list[str]:
 def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT_S,
                     tls: TlsConfig | None = None) -> None:
     """tls: dial over TLS, trusting tls.ca and presenting tls.cert."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from base.health import NotServing, wait_until_serving
 
-    deadline = time.monotonic() + timeout
-    channel = (grpc.secure_channel(address, tls.channel_credentials()) if tls is not None and tls.ca
-               else grpc.insecure_channel(address))
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            exited = stack.any_exited()
-            if exited is not None:
-                raise RuntimeError(f"process {exited.pid} exited with code {exited.returncode} during start-up")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.2)
-    raise RuntimeError(f"{address} did not become healthy in {timeout:.0f}s")
+    try:
+        wait_until_serving(address, stack.why_exited, timeout,
+                           tls.channel_credentials() if tls is not None and tls.ca else None)
+    except NotServing as e:
+        raise RuntimeError(str(e)) from e
 
 
 def worker_threads_env(num_schedulers: int) -> dict[str, str]:
@@ -229,8 +194,9 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     redis_url = args.redis_url or start_redis(stack, secret_env["FERRY_REDIS_PASSWORD"])
     py = sys.executable
     scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
+    config_flags = engine_flags(replace(engine_config(args), model=model_dir))
     for i, port in enumerate(scheduler_ports):
-        stack.start([py, "-m", "scheduler", *engine_flags(args, model_dir), "--port", str(port), "--redis-url",
+        stack.start([py, "-m", "scheduler", *config_flags, "--port", str(port), "--redis-url",
                      redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), "--drain-timeout", str(args.drain_timeout),
                      *scheduler_metrics_flags(args, i), *tls_flags(tls)],
                     f"scheduler {i} on 127.0.0.1:{port}",
@@ -279,43 +245,3 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop(timeout=args.drain_timeout + 10)
-
-
-# --- ferry generate ----------------------------------------------------------------------------------------
-def generate_request(args: argparse.Namespace):
-    from protos import common_pb2, router_pb2
-
-    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, stop=args.stop)
-    if args.top_p is not None:
-        sampling.top_p = args.top_p
-    if args.seed is not None:
-        sampling.seed = args.seed
-    request = router_pb2.GenerateRequest(sampling=sampling)
-    if args.chat:
-        request.chat.messages.add(role="user", content=args.prompt)
-    else:
-        request.text = args.prompt
-    return request
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from protos import router_pb2_grpc
-
-    channel = (grpc.secure_channel(args.router, grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes()))
-               if args.tls_ca else grpc.insecure_channel(args.router))
-    with channel:
-        try:
-            metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
-            for response in router_pb2_grpc.RouterStub(channel).Generate(generate_request(args), metadata=metadata):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-                if response.HasField("usage"):
-                    sys.stdout.write("\n")
-                    print(f"[{response.usage.prompt_tokens} prompt + {response.usage.completion_tokens} "
-                          f"completion tokens]", file=sys.stderr)
-        except grpc.RpcError as e:
-            print(f"\nferry generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0

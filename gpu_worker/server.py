@@ -11,14 +11,12 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from base.grpc_options import GRPC_OPTIONS
 from base.telemetry import TRACING_OFF, Tracing, links_to, setup_tracing
 from gpu_worker.fault import crash_if_poisoned, poison_token
 from protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 256 << 20
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):

@@ -10,8 +10,8 @@ import sys
 from base.cluster_auth import add_secret_args, cluster_secrets
 from base.tls import add_tls_args, tls_config
 from router.api_keys import add_api_key_args, api_keys
+from router.http.serve import add_http_args
 from router.limits import add_limit_args, key_limits
-from router.openai_api import add_http_args
 from router.policy import POLICIES
 from router.retry import add_retry_args, retry_options
 from router.server import RouterOptions, serve

@@ -4,9 +4,10 @@ and all callers share one budget."""
 from __future__ import annotations
 
 import argparse
-import hmac
 import os
 from pathlib import Path
+
+from base.cluster_auth import matching_key
 
 API_KEY_ENV = "FERRY_API_KEY"
 
@@ -29,15 +30,12 @@ def api_keys(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(k.strip() for k in keys if k.strip()))
 
 
+def presented_key(keys: list[str], authorization: str) -> str | None:
+    """The configured key an `Authorization: Bearer <key>` value (HTTP header or gRPC metadata) carries; None when
+    it carries none of them."""
+    return matching_key(keys, bearer_token(authorization))
+
+
 def bearer_token(authorization: str) -> str:
     scheme, _, token = authorization.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
-
-
-def matching_key(keys: list[str], sent: str) -> str | None:
-    """The configured key equal to `sent`, compared in constant time against every key."""
-    found = None
-    for key in keys:
-        if hmac.compare_digest(sent.encode(), key.encode()):
-            found = key
-    return found

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 
+from base.errors import StatusError
+from base.prompt_checks import check_fits_context, check_token_ids
 from base.sampling_params import SamplingParams
 from protos import common_pb2, router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, OverLimit
@@ -26,15 +29,14 @@ from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.retry import RetryGovernor
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
-from scheduler.registry import SchedulerInfo
 
 
-class RequestError(Exception):
+class RequestError(StatusError):
+    """Why the router refused or failed a request; `retry_after`: seconds, for RESOURCE_EXHAUSTED (0: the default)."""
+
     def __init__(self, code: grpc.StatusCode, message: str, retry_after: int = 0):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after   # seconds, for RESOURCE_EXHAUSTED; 0: the default
+        super().__init__(code, message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -51,6 +53,7 @@ class StreamState:
     num_prompt_tokens: int
     samples: list[SampleState]
     num_cached_tokens: int = 0
+    stream_interval: int = 1   # tokens per response the client asked for
 
     @property
     def done(self) -> bool:
@@ -153,7 +156,7 @@ class Router:
         candidates = self.candidates(request.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
         prompt_ids = prompt_token_ids(request, tokenizer)
-        check_length(prompt_ids, params, candidates[0])
+        check_prompt(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
                                await self.directory.prefix_matches(candidates[0].model, hashes),
@@ -165,7 +168,7 @@ class Router:
             return StreamState(request_id, len(prompt_ids),
                                [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
                                                                    params.include_stop_str_in_output))
-                                for _ in range(params.n)])
+                                for _ in range(params.n)], stream_interval=max(1, request.stream_interval))
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=params.to_proto())
@@ -223,7 +226,7 @@ class Router:
         """One scheduler's try at the request; with `hold`, its responses come out only once it is done."""
         self.pending[target.scheduler_id] += 1
         observed.attempt(target)
-        request = self.connection(target.address).submit(upstream, dict(observed.metadata))
+        request = self.connection(target.address).submit(upstream, dict(observed.metadata), state.stream_interval)
         held: list[router_pb2.GenerateResponse] = []
         try:
             async for message in request:
@@ -307,11 +310,12 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
     return ids
 
 
-def check_length(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:
-    if target.vocab_size and any(t >= target.vocab_size for t in prompt_ids):
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt token ids must lie in [0, {target.vocab_size})")
-    if target.max_model_len and len(prompt_ids) + params.max_tokens > target.max_model_len:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                           f"max_model_len ({target.max_model_len})")
+def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:
+    """The prompt against the model's vocabulary and context, where the scheduler told them (0: not told)."""
+    try:
+        if target.vocab_size:
+            check_token_ids(prompt_ids, target.vocab_size)
+        if target.max_model_len:
+            check_fits_context(len(prompt_ids), params.max_tokens, target.max_model_len)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e

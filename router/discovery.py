@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from base.cluster_auth import token_metadata
 from base.tls import TlsConfig
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from scheduler.registry import KEY_PREFIX, SchedulerInfo, block_key, scheduler_key_pattern
+from protos.registry import KEY_PREFIX, SchedulerInfo, block_key, scheduler_key_pattern
 
 log = logging.getLogger(__name__)
 MAX_PREFIX_LOOKUP_BLOCKS = 512

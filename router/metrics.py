@@ -19,11 +19,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from base.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
-from protos import common_pb2, router_pb2
-from scheduler.registry import SchedulerInfo
-
-FINISH_REASON_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
-                       common_pb2.FINISH_REASON_ABORT: "abort"}
+from protos import router_pb2
+from protos.finish_reasons import FINISH_REASON_NAMES
+from protos.registry import SchedulerInfo
 
 
 class RouterMetrics:

@@ -10,8 +10,8 @@ import time
 
 import xxhash
 
+from protos.registry import SchedulerInfo
 from router.routing_history import RoutingHistory
-from scheduler.registry import SchedulerInfo
 
 
 @dataclass

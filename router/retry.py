@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.registry import SchedulerInfo
+from protos.registry import SchedulerInfo
 
 Clock = Callable[[], float]
 

@@ -13,12 +13,16 @@ from base.config import DRAIN_TIMEOUT_S
 from base.telemetry import extract_metadata, setup_tracing
 from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc
-from router.api_keys import bearer_token, matching_key
+from router.api_keys import presented_key
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
+from router.http.app import create_app
+from router.http.body import MAX_REQUEST_BYTES
+from router.http.errors import RETRY_AFTER_S
+from router.http.serve import HttpServer, serve_http
+from router.http.served_models import directory_models
 from router.limits import KeyLimiter, KeyLimits
 from router.metrics import RouterTelemetry
-from router.openai_api import MAX_REQUEST_BYTES, RETRY_AFTER_S, HttpServer, create_app, directory_models, serve_http
 from router.policy import POLICIES
 from router.retry import RetryGovernor, RetryOptions
 
@@ -63,7 +67,7 @@ def grpc_server_options(max_request_bytes: int) -> list[tuple[str, int]]:
 
 def client_key(metadata, api_keys: list[str]) -> str | None:
     """The API key the call's `authorization: Bearer <key>` metadata carries, if it is one of api_keys."""
-    return matching_key(api_keys, bearer_token(str(dict(metadata or ()).get("authorization", ""))))
+    return presented_key(api_keys, str(dict(metadata or ()).get("authorization", "")))
 
 
 @dataclass

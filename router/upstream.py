@@ -10,31 +10,35 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from base.errors import StatusError
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 CLOSE = None   # ends a stream's outgoing messages
 
 
-class UpstreamError(Exception):
+class UpstreamError(StatusError):
     """How a request ended on the scheduler's side, as a gRPC status; `connection_lost` when the Connect stream
     itself broke (the scheduler may be gone), rather than the scheduler failing this request."""
 
     def __init__(self, code: grpc.StatusCode, message: str, connection_lost: bool = False):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(code, message)
         self.connection_lost = connection_lost
 
 
 class UpstreamRequest:
     """One request on a SchedulerConnection: iterate it for the scheduler's ScheduleResponses; close it when done
-    with it (an unfinished request is then aborted upstream)."""
+    with it (an unfinished request is then aborted upstream).
 
-    def __init__(self, connection: SchedulerConnection, request_id: str, num_samples: int):
+    Each sample's tokens that arrived while the reader was busy come out merged into one response, so a reader
+    slower than the scheduler (a client falling behind) gets what it missed in one message, not one per step.
+    With `min_tokens` a sample's tokens are held until there are that many, or it finished."""
+
+    def __init__(self, connection: SchedulerConnection, request_id: str, num_samples: int, min_tokens: int = 1):
         self.connection = connection
         self.request_id = request_id
         self.num_samples = num_samples
+        self.min_tokens = max(1, min_tokens)
         self.events: asyncio.Queue = asyncio.Queue()   # RequestEvent | UpstreamError
         self.finished: set[int] = set()
         self.failed = False
@@ -47,17 +51,36 @@ class UpstreamRequest:
         self.events.put_nowait(error)
 
     async def __aiter__(self) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
+        pending: dict[int, scheduler_pb2.ScheduleResponse] = {}   # by sample index
         while not self.ended:
-            event = await self.events.get()
-            if isinstance(event, UpstreamError):
+            error = self.gather(await self.events.get(), pending)
+            while error is None and not self.events.empty():
+                error = self.gather(self.events.get_nowait(), pending)
+            for index in [i for i, output in pending.items() if error is not None or self.ready(output)]:
+                yield pending.pop(index)
+            if error is not None:
                 self.failed = True
-                raise event
-            if event.HasField("error"):
-                self.failed = True
-                raise UpstreamError(STATUS_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN), event.error.message)
-            if event.output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                self.finished.add(event.output.index)
-            yield event.output
+                raise error
+
+    def gather(self, event: scheduler_pb2.RequestEvent | UpstreamError,
+               pending: dict[int, scheduler_pb2.ScheduleResponse]) -> UpstreamError | None:
+        """Merge an output into its sample's pending one (repeated fields append, a set field overrides), or
+        return the error that ends the request."""
+        if isinstance(event, UpstreamError):
+            return event
+        if event.HasField("error"):
+            return UpstreamError(STATUS_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN), event.error.message)
+        output = event.output
+        if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finished.add(output.index)
+        if output.index in pending:
+            pending[output.index].MergeFrom(output)
+        else:
+            pending[output.index] = output
+        return None
+
+    def ready(self, output: scheduler_pb2.ScheduleResponse) -> bool:
+        return len(output.token_ids) >= self.min_tokens or output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
     def close(self) -> None:
         self.connection.release(self)
@@ -73,8 +96,10 @@ class SchedulerConnection:
         self.requests: dict[str, UpstreamRequest] = {}
         self.reader: asyncio.Task | None = None
 
-    def submit(self, request: scheduler_pb2.ScheduleRequest, trace_context: dict[str, str]) -> UpstreamRequest:
-        upstream = UpstreamRequest(self, request.request_id, request.sampling.n or 1)
+    def submit(self, request: scheduler_pb2.ScheduleRequest, trace_context: dict[str, str],
+               min_tokens: int = 1) -> UpstreamRequest:
+        """`min_tokens`: the tokens of a sample its responses hold (except the last), the client's stream_interval."""
+        upstream = UpstreamRequest(self, request.request_id, request.sampling.n or 1, min_tokens)
         if request.request_id in self.requests:   # its events could not be told apart
             upstream.fail(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"request_id {request.request_id!r} is already in use"))

@@ -8,39 +8,12 @@ import os
 import sys
 
 from base.cluster_auth import add_secret_args, cluster_secrets
-from base.config import DRAIN_TIMEOUT_S, EngineConfig
+from base.config import DRAIN_TIMEOUT_S, add_engine_arguments, engine_config
 from base.tls import add_tls_args, tls_config
 from scheduler.admission import AdmissionLimits
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
-    parser.add_argument("--model", default=defaults.model, help="local HF directory; empty: the default model")
-    parser.add_argument("--dtype", default=defaults.dtype)
-    parser.add_argument("--device", default=defaults.device)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--kv-cache-memory", type=int, default=defaults.kv_cache_memory, help="bytes; 0: default")
-    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--batching", default=defaults.batching, choices=["continuous", "static"])
-    parser.add_argument("--kv-layout", default=defaults.kv_layout, choices=["paged", "contiguous"])
-    parser.add_argument("--attention-backend", default=defaults.attention_backend)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--hash-seed", type=int, default=defaults.hash_seed)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        batching=args.batching, kv_layout=args.kv_layout, attention_backend=args.attention_backend,
-        seed=args.seed, hash_seed=args.hash_seed)
-
-
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__)
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
@@ -63,6 +36,11 @@ def main() -> int:
     add_secret_args(parser)
     add_tls_args(parser, ca_help="callers must present a certificate this CA signed (mutual TLS); needs --tls-cert")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
     try:

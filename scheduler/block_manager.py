@@ -24,13 +24,17 @@ class PrefixCacheCounters:
     evictions: int = 0
 
 
+def kv_usage(num_free_blocks: int, num_blocks: int) -> float:
+    """Fraction of KV blocks held by live sequences (free blocks that still cache a prefix count as free)."""
+    return 1.0 - num_free_blocks / num_blocks if num_blocks else 0.0
+
+
 @dataclass
 class BlockManager:
     num_blocks: int
     block_size: int
     root_hash: int
     enable_prefix_caching: bool = True
-    reserve_tokens: int = 0            # contiguous baseline: every sequence reserves this many tokens up front
     counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
     def __post_init__(self) -> None:
@@ -49,10 +53,10 @@ class BlockManager:
         return len(self.free_queue)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(max(num_tokens, self.reserve_tokens) / self.block_size)
+        return math.ceil(num_tokens / self.block_size)
 
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return kv_usage(self.num_free_blocks, self.num_blocks)
 
     # --- prefix cache --------------------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
@@ -64,7 +68,7 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens; the last token is always left to recompute."""
-        if not self.enable_prefix_caching or self.reserve_tokens:
+        if not self.enable_prefix_caching:
             return []
         self.update_hashes(seq)
         limit = (seq.num_tokens - 1) // self.block_size
@@ -78,7 +82,7 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer seq's newly computed full blocks to the prefix cache."""
-        if not self.enable_prefix_caching or self.reserve_tokens:
+        if not self.enable_prefix_caching:
             return
         self.update_hashes(seq)
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
@@ -111,7 +115,7 @@ class BlockManager:
             return False
         for block_id in hits:
             self.take(block_id)
-        if self.enable_prefix_caching and not self.reserve_tokens:
+        if self.enable_prefix_caching:
             self.counters.queries += seq.num_tokens
             self.counters.hits += len(hits) * self.block_size
         seq.block_ids = list(hits)

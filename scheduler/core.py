@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from base.config import EngineConfig
+from base.prompt_checks import check_fits_context
 from base.sampling_params import SamplingParams
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
@@ -44,15 +46,15 @@ class StepCounters:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: list[int], model_name: str, model_path: str = "", vocab_size: int = 0):
+                 eos_token_ids: list[int], model_name: str,
+                 new_block_manager: Callable[..., BlockManager] = BlockManager, model_path: str = "",
+                 vocab_size: int = 0):
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        reserve = max_model_len if config.kv_layout == "contiguous" else 0
-        self.block_manager = BlockManager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
-                                          enable_prefix_caching=config.enable_prefix_caching,
-                                          reserve_tokens=reserve)
+        self.block_manager = new_block_manager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
+                                               enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -62,7 +64,6 @@ class Scheduler:
         self.counters = StepCounters()
         self.scheduled: dict[str, tuple[Sequence, int]] = {}
         self.budget = 0                           # tokens left to hand out in the step being scheduled
-        self.cohort: set[str] = set()            # static batching: the requests of the batch in flight
         self.vocab_size = vocab_size
         self.structured = StructuredOutputManager(model_path, vocab_size, eos_token_ids)
         self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet
@@ -87,9 +88,7 @@ class Scheduler:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+        check_fits_context(len(prompt), params.max_tokens, self.max_model_len)
         if self.vocab_size and any(t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
         if params.n > self.config.max_num_seqs:
@@ -169,18 +168,12 @@ class Scheduler:
         return True
 
     def admit_waiting(self) -> None:
-        static = self.config.batching == "static"
-        closed = static and bool(self.running)             # static batching: no joins mid-flight
-        if static and not closed:
-            self.cohort = set()
         num_seats = sum(self.seats(s) for s in self.running) if self.waiting else 0
-        while self.waiting and (self.budget > 0 or static):
+        while self.waiting:
             seq = self.waiting[0]
             request = self.requests[seq.request_id]
             seats = self.seats(seq)
-            if num_seats + seats > self.config.max_num_seqs:
-                break
-            if closed and seq.request_id not in self.cohort:
+            if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq):
                 break
             hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
@@ -190,13 +183,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             num_seats += seats
-            if static:
-                self.cohort.add(seq.request_id)
+            self.joined(seq)
             if seq.index == 0 and seq.num_preemptions == 0:
                 request.num_cached_tokens = seq.num_computed_tokens
             if num_tokens:
                 self.scheduled[seq.seq_id] = (seq, num_tokens)
             self.budget -= num_tokens
+
+    # hooks of the static-batching baseline (scheduler/baselines.py)
+    def may_join(self, seq: Sequence) -> bool:
+        return self.budget > 0
+
+    def joined(self, seq: Sequence) -> None:
+        pass
 
     def seats(self, seq: Sequence) -> int:
         """Batch slots seq holds: sample 0 of an n > 1 request keeps n until its siblings are forked."""

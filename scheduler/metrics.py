@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from base.telemetry import TRACING_OFF, LatencyHistogram, Tracing, traceparent
 from protos import scheduler_pb2, worker_pb2
+from scheduler.block_manager import kv_usage
 from scheduler.core import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,7 @@ LOAD_GAUGE_PREFIXES = ("ferry", "vllm")
 
 
 def kv_cache_usage(stats: scheduler_pb2.StatsResponse) -> float:
-    """Fraction of KV blocks held by live sequences (free blocks that still cache a prefix count as free)."""
-    return 1.0 - stats.num_free_blocks / stats.num_blocks if stats.num_blocks else 0.0
+    return kv_usage(stats.num_free_blocks, stats.num_blocks)
 
 
 class StatsCollector:

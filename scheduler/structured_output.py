@@ -40,7 +40,7 @@ class GrammarCompilation:
         if constraint.kind == "json_schema":
             # compact JSON: with any whitespace allowed a weak model may spend its whole budget on blanks
             return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
-        if constraint.kind == "json_object":   # an object, as OpenAI's json_object means (xgrammar's builtin: any value)
+        if constraint.kind == "json_object":   # an object, as OpenAI means it (xgrammar's builtin JSON: any value)
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if constraint.kind == "regex":
             return compiler.compile_regex(constraint.spec)

@@ -173,9 +173,10 @@ class ConnectStream:
     """A Scheduler.Connect stream driven by hand: submit and abort at any time, read what comes back, message by
     message, into per-request tokens, finished samples and errors."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, timeout: float = 60):
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, timeout: float = 60,
+                 metadata: list[tuple[str, str]] | None = None):
         self.outgoing: queue.Queue = queue.Queue()
-        self.call = stub.Connect(iter(self.outgoing.get, None), timeout=timeout)
+        self.call = stub.Connect(iter(self.outgoing.get, None), timeout=timeout, metadata=metadata)
         self.messages: list[scheduler_pb2.ConnectResponse] = []
         self.outputs: dict[str, list[scheduler_pb2.ScheduleResponse]] = defaultdict(list)
         self.finished: dict[str, set[int]] = defaultdict(set)
@@ -219,3 +220,14 @@ class ConnectStream:
 
     def done(self, request_id: str, num_samples: int = 1) -> bool:
         return len(self.finished[request_id]) == num_samples or request_id in self.errors
+
+
+def served_alone(stub: scheduler_pb2_grpc.SchedulerStub, prompt_token_ids: list[int],
+                 sampling: common_pb2.SamplingParams, request_id: str = "alone", timeout: float = 60,
+                 metadata: list[tuple[str, str]] | None = None) -> ConnectStream:
+    """One request on a Connect stream of its own, read to the stream's end (its outputs, or its error)."""
+    stream = ConnectStream(stub, timeout, metadata)
+    stream.submit(request_id, prompt_token_ids, sampling)
+    stream.done_sending()
+    stream.read_to_the_end()
+    return stream

@@ -11,6 +11,7 @@ from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from protos import worker_pb2
 from protos.block_hash import hash_blocks, root_hash
+from scheduler.baselines import scheduler_for
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.sequence import Sequence
@@ -59,7 +60,7 @@ def test_blocks_are_never_shared_wrongly_and_all_come_back(requests, num_blocks,
                                                            abort_every, token, batching):
     config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching,
                           batching=batching)
-    scheduler = Scheduler(config, num_blocks, BLOCK_SIZE, 64, [2], "m")
+    scheduler = scheduler_for(config, num_blocks, BLOCK_SIZE, 64, [2], "m")
     for i, (prompt, max_tokens, n) in enumerate(requests):
         scheduler.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
     for step_number in range(1, 500):

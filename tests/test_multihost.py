@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.launcher import Stack, free_port, wait_for_health
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.registry import SchedulerInfo, scheduler_key
-from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, wait_until
+from protos.registry import SchedulerInfo, scheduler_key
+from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, served_alone, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT_TTL_S = 2.0
@@ -135,8 +135,7 @@ def distinct_prompts(count: int, offset: int) -> list[list[int]]:
 
 def served_directly(scheduler: Scheduler, prompt: list[int]) -> list[int]:
     with grpc.insecure_channel(scheduler.address) as channel:
-        request = scheduler_pb2.ScheduleRequest(prompt_token_ids=prompt, sampling=greedy(MAX_TOKENS))
-        return [t for r in scheduler_pb2_grpc.SchedulerStub(channel).Generate(request, timeout=60) for t in r.token_ids]
+        return served_alone(scheduler_pb2_grpc.SchedulerStub(channel), prompt, greedy(MAX_TOKENS)).tokens("alone")
 
 
 def generation_tokens(scheduler: Scheduler) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
 from router.policy import POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, rendezvous_weight
 from router.routing_history import RoutingHistory
-from scheduler.registry import SchedulerInfo
 
 PREFIX = list(range(1000, 2024))          # 64 blocks of 16
 

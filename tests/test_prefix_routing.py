@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from protos import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import router_pb2, scheduler_pb2_grpc
 from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
 from router.policy import POLICIES, RoutingInput, cache_aware, rendezvous_weight
-from scheduler.registry import SchedulerInfo
-from tests.services_fixtures import collect, greedy, start_services, wait_until
+from tests.services_fixtures import collect, greedy, served_alone, start_services, wait_until
 
 
 def info(scheduler_id: str, load_tokens: int = 0) -> SchedulerInfo:
@@ -69,9 +69,7 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(services):
         if rendezvous_weight("sched-0", first_block) > rendezvous_weight("sched-1", first_block):
             break
     holder = services.scheduler_addresses[1]
-    warm = scheduler_pb2.ScheduleRequest(request_id="warm", prompt_token_ids=prefix + [7],
-                                         sampling=greedy(1))
-    list(scheduler_pb2_grpc.SchedulerStub(services.channel(holder)).Generate(warm, timeout=60))
+    served_alone(scheduler_pb2_grpc.SchedulerStub(services.channel(holder)), prefix + [7], greedy(1), "warm")
     redis = services.redis()
     last_key = f"ferry:blk:{model}:{hash_blocks(prefix, block_size, model)[-1]}"
     wait_until(lambda: b"sched-1" in redis.smembers(last_key), "the prefix published by sched-1")

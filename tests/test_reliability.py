@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from ferry.launcher import Stack as LauncherStack
 from ferry.launcher import free_port, wait_for_health
 from base.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, router_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import (CHILD_ENV, ConnectStream, ServiceStack, child_pids, collect, greedy,
-                                     indexed_blocks, start_services, wait_until)
+                                     indexed_blocks, served_alone, start_services, wait_until)
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
@@ -268,23 +268,21 @@ def test_sigterm_drains_in_flight_requests_deregisters_and_exits_zero(stack, tin
     redis = stack.services.redis()
     try:
         stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(address))
-        list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=list(range(5, 69)), sampling=greedy(1))))
+        served_alone(stub, list(range(5, 69)), greedy(1))
         wait_until(lambda: len(scheduler_keys(redis, scheduler_id)) > 1, "registered with prefix blocks")
-        stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
-                                                            sampling=greedy(LONG, ignore_eos=True)))
-        first = next(stream)
+        stream = ConnectStream(stub)
+        stream.submit("long", [5, 6, 7], greedy(LONG, ignore_eos=True))
+        stream.read_until(lambda: stream.outputs["long"])
         process.send_signal(signal.SIGTERM)
         wait_until(lambda: not scheduler_keys(redis, scheduler_id), "deregistered and prefix entries withdrawn")
-        with pytest.raises(grpc.RpcError) as refused:
-            list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6], sampling=greedy(2)), timeout=10))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         connected = ConnectStream(stub)
         connected.submit("while-draining", [5, 6], greedy(2))
         connected.read_until(lambda: connected.done("while-draining"))
         assert connected.errors["while-draining"].code == grpc.StatusCode.UNAVAILABLE.value[0]
         connected.cancel()
-        rest = list(stream)
-        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == LONG   # finished, not cut off
+        stream.read_until(lambda: stream.done("long"))
+        assert len(stream.tokens("long")) == LONG and not stream.errors   # finished, not cut off
+        stream.cancel()
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
@@ -295,17 +293,11 @@ def test_sigterm_fails_what_outlasts_the_drain_timeout_with_unavailable(stack, t
     process, address = start_scheduler(tiny_llama_dir, stack.services.redis_url, "--drain-timeout", "0.5")
     try:
         stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(address))
-        stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
-                                                            sampling=greedy(1000, ignore_eos=True)))
         connected = ConnectStream(stub)
         connected.submit("connected", [5, 6, 8], greedy(1000, ignore_eos=True))
-        next(stream)
         connected.read_until(lambda: connected.outputs["connected"])
         worker = child_pids(process.pid)[0]
         process.send_signal(signal.SIGTERM)
-        with pytest.raises(grpc.RpcError) as error:
-            list(stream)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "drain timeout" in error.value.details()
         connected.read_until(lambda: connected.done("connected"))
         failure = connected.errors["connected"]
         assert failure.code == grpc.StatusCode.UNAVAILABLE.value[0] and "drain timeout" in failure.message

@@ -9,11 +9,11 @@ import grpc
 import pytest
 
 from protos import common_pb2, scheduler_pb2
+from protos.registry import SchedulerInfo
 from router.core import RequestError, Router, SampleState, StreamState
 from router.detokenizer import IncrementalDetokenizer
 from router.retry import BreakerState, CircuitBreaker, RetryBudget, RetryGovernor, RetryOptions
 from router.upstream import UpstreamError
-from scheduler.registry import SchedulerInfo
 
 
 @dataclass

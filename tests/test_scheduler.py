@@ -8,6 +8,7 @@ import pytest
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from protos import worker_pb2
+from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
 
 BLOCK_SIZE = 4
@@ -45,7 +46,7 @@ class FakeWorker:
 
 def make_scheduler(num_blocks: int = 64, max_model_len: int = 128, **overrides) -> Scheduler:
     config = EngineConfig(block_size=BLOCK_SIZE, **overrides)
-    return Scheduler(config, num_blocks, BLOCK_SIZE, max_model_len, [EOS], "tiny")
+    return scheduler_for(config, num_blocks, BLOCK_SIZE, max_model_len, [EOS], "tiny")
 
 
 def run_step(scheduler: Scheduler, worker: FakeWorker) -> list[RequestOutput]:

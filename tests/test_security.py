@@ -26,15 +26,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from base.cluster_auth import token_metadata
+from base.cluster_auth import matching_key, token_metadata
 from ferry.launcher import free_port
 from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from router.api_keys import matching_key
+from protos.registry import SchedulerInfo
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, KeyLimits, OverLimit
-from scheduler.registry import Registry, SchedulerInfo
-from tests.services_fixtures import Secured, ServiceStack, child_pids, greedy, start_services, wait_until
+from scheduler.registry import Registry
+from tests.services_fixtures import (Secured, ServiceStack, child_pids, greedy, served_alone, start_services,
+                                     wait_until)
 
 CLUSTER_TOKEN = "cluster-token-for-tests"
 REDIS_PASSWORD = "redis-password-for-tests"
@@ -144,8 +145,6 @@ def scheduler_request(request_id: str) -> scheduler_pb2.ScheduleRequest:
 def test_scheduler_refuses_calls_without_the_cluster_token_and_does_no_work(secure, metadata):
     stub, before = secure.scheduler_stub(), secure.counters()
     calls = {"Stats": lambda: stub.Stats(scheduler_pb2.StatsRequest(), timeout=10, metadata=metadata),
-             "Generate": lambda: list(stub.Generate(scheduler_request("g"), timeout=10, metadata=metadata)),
-             "Abort": lambda: stub.Abort(scheduler_pb2.AbortRequest(request_id="g"), timeout=10, metadata=metadata),
              "Connect": lambda: list(stub.Connect(iter([scheduler_pb2.ConnectRequest(submit=scheduler_pb2.SubmitRequest(
                  request=scheduler_request("c")))]), timeout=10, metadata=metadata))}
     for name, call in calls.items():
@@ -159,9 +158,9 @@ def test_scheduler_refuses_calls_without_the_cluster_token_and_does_no_work(secu
 
 
 def test_scheduler_serves_callers_with_the_token(secure):
-    responses = list(secure.scheduler_stub().Generate(scheduler_request("ok"), timeout=30,
-                                                      metadata=token_metadata(CLUSTER_TOKEN)))
-    assert sum(len(r.token_ids) for r in responses) == 4
+    stream = served_alone(secure.scheduler_stub(), [5, 6, 7, 8], greedy(4), timeout=30,
+                          metadata=token_metadata(CLUSTER_TOKEN))
+    assert len(stream.tokens("alone")) == 4 and not stream.errors
 
 
 def test_scheduler_health_stays_open_for_probes_without_the_token(secure):

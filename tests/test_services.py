@@ -11,7 +11,8 @@ import pytest
 
 from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, ConnectStream, child_pids, collect, greedy,
-                                     indexed_blocks, registered_schedulers, start_services, wait_until)
+                                     indexed_blocks, registered_schedulers, served_alone, start_services,
+                                     wait_until)
 
 PROMPTS = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(32)]
 
@@ -157,25 +158,6 @@ def test_bad_input_is_invalid_argument_and_services_keep_serving(services, reque
     assert len(token_ids) >= 1
 
 
-def test_scheduler_rejects_bad_input_with_the_reason(services):
-    stub = scheduler_pb2_grpc.SchedulerStub(services.channel(services.scheduler_addresses[0]))
-    with pytest.raises(grpc.RpcError) as error:
-        list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[], sampling=greedy(4))))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt must not be empty" in error.value.details()
-
-
-def test_abort_ends_the_stream_with_finish_reason_abort_and_frees_blocks(services):
-    stub = scheduler_pb2_grpc.SchedulerStub(services.channel(services.scheduler_addresses[0]))
-    stream = stub.Generate(scheduler_pb2.ScheduleRequest(request_id="to-abort", prompt_token_ids=[5, 6, 7],
-                                                        sampling=greedy(600, ignore_eos=True)))
-    next(stream)
-    assert stub.Abort(scheduler_pb2.AbortRequest(request_id="to-abort")).found
-    assert list(stream)[-1].finish_reason == 3
-    assert not stub.Abort(scheduler_pb2.AbortRequest(request_id="to-abort")).found
-    wait_until(services.idle, "blocks freed after Abort", timeout=10)
-
-
 CONNECT_PROMPTS = [[5 + i, 17, 33, 9 + i, 120 + 7 * i] for i in range(6)]   # shorter than a block: no cache hits
 
 
@@ -188,7 +170,7 @@ def pool_state(stats: scheduler_pb2.StatsResponse) -> tuple[int, int, int]:
     return stats.num_running, stats.num_waiting, stats.num_free_blocks
 
 
-def test_connect_sends_a_steps_tokens_of_many_requests_in_one_message_and_each_as_generate_would(services):
+def test_connect_sends_a_steps_tokens_of_many_requests_in_one_message_and_each_as_if_alone(services):
     _, stub = first_scheduler(services)
     stream = ConnectStream(stub)
     ids = [f"batched-{i}" for i in range(len(CONNECT_PROMPTS))]
@@ -200,9 +182,8 @@ def test_connect_sends_a_steps_tokens_of_many_requests_in_one_message_and_each_a
     assert not stream.errors
     assert max(len({event.request_id for event in m.events}) for m in stream.messages) > 1
     for request_id, prompt in zip(ids, CONNECT_PROMPTS):
-        alone = list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=prompt,
-                                                                 sampling=greedy(16, ignore_eos=True))))
-        assert stream.outputs[request_id] == alone
+        alone = served_alone(stub, prompt, greedy(16, ignore_eos=True))
+        assert stream.outputs[request_id] == alone.outputs["alone"]
         assert stream.outputs[request_id][0].num_prompt_tokens == len(prompt)
 
 
@@ -242,9 +223,8 @@ def test_abort_on_a_connect_stream_frees_that_request_while_another_completes(se
                "every block free again", timeout=10)
     generated = services.scheduler_stats(address).generation_tokens_total - before.generation_tokens_total
     assert generated < 400 + 600, "the aborted request ran to its end"
-    alone = list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=CONNECT_PROMPTS[0],
-                                                             sampling=greedy(400, ignore_eos=True))))
-    assert stream.tokens("completes") == [t for m in alone for t in m.token_ids]
+    alone = served_alone(stub, CONNECT_PROMPTS[0], greedy(400, ignore_eos=True))
+    assert stream.tokens("completes") == alone.tokens("alone")
 
 
 @pytest.mark.parametrize("request_id, prompt, sampling, reason", [
@@ -297,23 +277,19 @@ def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services)
     address, scheduler = services.scheduler_addresses[1], services.schedulers[1]
     stub = scheduler_pb2_grpc.SchedulerStub(services.channel(address))
     redis = services.redis()
-    list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=list(range(5, 69)), sampling=greedy(1))))
+    served_alone(stub, list(range(5, 69)), greedy(1))
     wait_until(lambda: indexed_blocks(redis, "sched-1"), "sched-1's blocks in the prefix index")
     generated_before = services.scheduler_stats(address).generation_tokens_total
-    stream = stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
-                                                        sampling=greedy(600, ignore_eos=True)))
-    next(stream)
+    stream = ConnectStream(stub)
+    stream.submit("in-flight", [5, 6, 7], greedy(600, ignore_eos=True))
+    stream.read_until(lambda: stream.outputs["in-flight"])
     os.kill(worker_pid(scheduler.pid), signal.SIGKILL)
-    with pytest.raises(grpc.RpcError) as error:
-        list(stream)
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    stream.read_until(lambda: stream.done("in-flight"))
+    assert stream.errors["in-flight"].code == grpc.StatusCode.UNAVAILABLE.value[0]
+    stream.cancel()
 
     def serves_again() -> bool:
-        try:
-            return len(list(stub.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6, 7],
-                                                                        sampling=greedy(3))))) == 3
-        except grpc.RpcError:
-            return False
+        return len(served_alone(stub, [5, 6, 7], greedy(3)).tokens("alone")) == 3
 
     wait_until(serves_again, "the scheduler serves again with a new worker", timeout=60)
     assert scheduler.poll() is None

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protos.registry import SchedulerInfo
 from router.detokenizer import IncrementalDetokenizer, held_back_length
 from router.policy import RoutingInput, least_loaded
 from router.tokenizer import RouterTokenizer
-from scheduler.registry import SchedulerInfo
 
 TEXT = "Ünïcödé têxt, emoji 🚢⛴️ and 中文字符 must survive incremental detokenization."
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from base.sampling_params import SamplingParams
 from base.structured_output import StructuredOutput
-from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, router_pb2
 from tests.services_fixtures import collect, greedy, start_services
 from tests.test_engine import kv_bytes_for, tiny_engine
 
@@ -237,8 +237,3 @@ def test_router_generate_serves_constraints_and_refuses_a_bad_one_with_the_reaso
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "could not be compiled" in error.value.details()
     assert collect(services.router().Generate(request))[0] == expected.token_ids   # and it serves on
-    scheduler = scheduler_pb2_grpc.SchedulerStub(services.channel(services.scheduler_addresses[0]))
-    with pytest.raises(grpc.RpcError) as error:   # Scheduler.Generate, the other way in, says the same
-        list(scheduler.Generate(scheduler_pb2.ScheduleRequest(prompt_token_ids=[5, 6], sampling=bad.sampling)))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "could not be compiled" in error.value.details()

@@ -49,6 +49,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    stream_interval: UINT32 | None = None   # tokens per streamed chunk (a Ferry extension; vLLM has it per server)
 
     @property
     def include_usage(self) -> bool:
@@ -105,7 +106,8 @@ class CompletionRequest(SamplingRequest):
 
     def generate_request(self, request_id: str, model: str) -> router_pb2.GenerateRequest:
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
-                                             sampling=self.sampling(self.max_tokens, self.logprobs))
+                                             sampling=self.sampling(self.max_tokens, self.logprobs),
+                                             stream_interval=self.stream_interval or 0)
         prompt = self.prompt[0] if isinstance(self.prompt, list) and len(self.prompt) == 1 \
             and isinstance(self.prompt[0], (str, list)) else self.prompt
         if isinstance(prompt, str):
@@ -162,7 +164,8 @@ class ChatCompletionRequest(SamplingRequest):
     def generate_request(self, request_id: str, model: str, max_tokens: int | None) -> router_pb2.GenerateRequest:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
-                                             sampling=self.sampling(max_tokens, logprobs))
+                                             sampling=self.sampling(max_tokens, logprobs),
+                                             stream_interval=self.stream_interval or 0)
         for message in self.chat_messages():
             request.chat.messages.add(**message)
         return request

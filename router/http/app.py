@@ -1,0 +1,110 @@
+"""The OpenAI-compatible app: its routes over the router's streaming generate and the models behind it."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from protos import router_pb2
+from router.http.auth import ApiKeyMiddleware
+from router.http.body import MAX_REQUEST_BYTES, parse_body
+from router.http.disconnect import ClientGone, unless_disconnected
+from router.http.errors import APIError, install_error_handlers, reject_unsupported
+from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
+from router.http.schema import ChatCompletionRequest, CompletionRequest
+from router.http.served_models import ModelsFn, ServedModel
+from router.http.sse import sse_events
+from router.http.streams import collect, started
+
+GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False, api_key="")
+
+
+@dataclass
+class OpenAIServer:
+    generate: GenerateFn
+    models: ModelsFn
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+    def model(self, name: str) -> ServedModel:
+        served = self.models()
+        if not served:
+            raise APIError(503, "no scheduler is available")
+        if not name:
+            return served[0]
+        for model in served:
+            if model.name == name:
+                return model
+        raise APIError(404, f"model {name!r} does not exist (serving: {', '.join(m.name for m in served)})",
+                       param="model", code="model_not_found")
+
+    async def health(self) -> Response:
+        if not self.models():
+            return JSONResponse({"status": "no scheduler is available"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "ferry",
+                                            "max_model_len": m.max_model_len} for m in self.models()]}
+
+    async def completions(self, request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, self.max_request_bytes)
+        reject_unsupported(body.unsupported())
+        model = self.model(body.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        fmt = CompletionFormat(request_id, model, body.logprobs is not None, body.include_usage)
+        return await self.respond(request, body.generate_request(request_id, model.route_name), fmt, body.stream,
+                                  body.num_samples)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)
+        reject_unsupported(body.unsupported())
+        model = self.model(body.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None and model.max_model_len:
+            max_tokens = await self.room_left(model, body)
+        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage)
+        return await self.respond(request, body.generate_request(request_id, model.route_name, max_tokens), fmt,
+                                  body.stream, body.num_samples)
+
+    async def room_left(self, model: ServedModel, body: ChatCompletionRequest) -> int:
+        """OpenAI's chat default: as many tokens as the context has left after the prompt."""
+        try:
+            prompt = await asyncio.to_thread(model.tokenizer.encode_chat, body.chat_messages())
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+        return max(1, model.max_model_len - len(prompt))
+
+    async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
+                      stream: bool, num_samples: int) -> Response:
+        api_key = getattr(request.state, "api_key", "")
+        if stream:
+            responses = await started(self.generate(generate_request, api_key=api_key))
+            return StreamingResponse(sse_events(responses, fmt, num_samples), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:   # held to the end by the router, so a failed scheduler's work can be retried at any point
+            responses = self.generate(generate_request, hold=True, api_key=api_key)
+            collected = await unless_disconnected(request, collect(responses, num_samples))
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(fmt.body(collected))
+
+
+def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The OpenAI-compatible app over a streaming generate function and the models behind it."""
+    server = OpenAIServer(generate, models, max_request_bytes)
+    app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/v1/models", server.list_models, methods=["GET"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    return app

@@ -1,0 +1,146 @@
+"""OpenAI's response JSON: whole bodies and stream chunks of /v1/completions and /v1/chat/completions."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from protos import common_pb2, router_pb2
+from protos.finish_reasons import FINISH_REASON_NAMES
+from router.http.served_models import ServedModel
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+    def add(self, response: router_pb2.GenerateResponse) -> None:
+        self.text += response.text
+        self.logprobs.extend(response.logprobs)
+        if response.finish_reason:
+            self.finish_reason = FINISH_REASON_NAMES.get(response.finish_reason)
+            self.stop_reason = response.stop_reason or None
+
+
+@dataclass
+class Collected:
+    choices: list[Choice]
+    usage: common_pb2.Usage | None = None
+
+
+def usage_json(usage: common_pb2.Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+@dataclass
+class ResponseFormat:
+    """Shapes one request's responses; subclasses know their API's JSON."""
+    object_name: ClassVar[str]
+    chunk_object: ClassVar[str]
+    request_id: str
+    model: ServedModel
+    want_logprobs: bool
+    include_usage: bool = False
+    usage: common_pb2.Usage | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model.name,
+                "choices": choices, **extra}
+
+    def body(self, collected: Collected) -> dict[str, Any]:
+        choices = [self.final_choice(c) for c in collected.choices]
+        return self.envelope(self.object_name, choices, usage=usage_json(collected.usage))
+
+    def chunk(self, response: router_pb2.GenerateResponse) -> dict[str, Any] | None:
+        if response.HasField("usage"):
+            self.usage = response.usage
+        if not (response.text or response.logprobs or response.finish_reason):
+            return None      # text held back (a possible stop string or half a character)
+        choice = self.chunk_choice(response)
+        return self.envelope(self.chunk_object, [choice], **({"usage": None} if self.include_usage else {}))
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self.envelope(self.chunk_object, [], usage=usage_json(self.usage))
+
+    def opening_chunks(self, num_samples: int) -> list[dict[str, Any]]:
+        return []
+
+    def final_choice(self, choice: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class CompletionFormat(ResponseFormat):
+    object_name = chunk_object = "text_completion"
+    text_offsets: dict[int, int] = field(default_factory=dict)
+
+    def logprobs_json(self, entries: list[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        tokens = [self.model.token_text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.model.token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def final_choice(self, choice: Choice) -> dict[str, Any]:
+        return {"index": choice.index, "text": choice.text, "logprobs": self.logprobs_json(choice.logprobs),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any]:
+        offset = self.text_offsets.get(response.index, 0)
+        logprobs = self.logprobs_json(list(response.logprobs), offset)
+        if logprobs is not None and logprobs["tokens"]:
+            self.text_offsets[response.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return {"index": response.index, "text": response.text, "logprobs": logprobs,
+                "finish_reason": FINISH_REASON_NAMES.get(response.finish_reason),
+                "stop_reason": response.stop_reason or None}
+
+
+@dataclass
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": self.model.token_text(token_id), "logprob": logprob,
+                "bytes": self.model.token_bytes(token_id)}
+
+    def logprobs_json(self, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+        if not self.want_logprobs:
+            return None
+        return {"content": [{**self.token_json(e.token_id, e.logprob),
+                             "top_logprobs": [self.token_json(t.token_id, t.logprob) for t in e.top]}
+                            for e in entries]}
+
+    def final_choice(self, choice: Choice) -> dict[str, Any]:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self.logprobs_json(choice.logprobs), "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
+
+    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any]:
+        return {"index": response.index, "delta": {"content": response.text} if response.text else {},
+                "logprobs": self.logprobs_json(list(response.logprobs)),
+                "finish_reason": FINISH_REASON_NAMES.get(response.finish_reason),
+                "stop_reason": response.stop_reason or None}
+
+    def opening_chunks(self, num_samples: int) -> list[dict[str, Any]]:
+        extra = {"usage": None} if self.include_usage else {}
+        return [self.envelope(self.chunk_object, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}], **extra)
+                for i in range(num_samples)]

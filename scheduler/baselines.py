@@ -1,0 +1,57 @@
+"""The benchmark baselines Ferry is measured against, as small overrides of the core's hooks; scheduler_for()
+is the one place that picks them from the config (--batching static, --kv-layout contiguous).
+
+- Static batching: a batch (a cohort) is admitted only when nothing runs, and no request joins it mid-flight.
+- Contiguous KV: every sequence reserves max_model_len tokens of blocks up front, and nothing is shared by prefix.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from base.config import EngineConfig
+from scheduler.block_manager import BlockManager
+from scheduler.core import Scheduler
+from scheduler.sequence import Sequence
+
+
+class StaticBatchingScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cohort: set[str] = set()   # the requests of the batch in flight
+        self.closed = False             # a batch is in flight: only its own (preempted) sequences come back
+
+    def admit_waiting(self) -> None:
+        self.closed = bool(self.running)
+        if not self.closed:
+            self.cohort = set()
+        super().admit_waiting()
+
+    def may_join(self, seq: Sequence) -> bool:
+        """The whole cohort is admitted at once, past the step's token budget (its prefill chunks follow)."""
+        return not self.closed or seq.request_id in self.cohort
+
+    def joined(self, seq: Sequence) -> None:
+        self.cohort.add(seq.request_id)
+
+
+@dataclass
+class ContiguousBlockManager(BlockManager):
+    reserve_tokens: int = 0   # every sequence holds blocks for this many tokens from its admission on
+
+    def __post_init__(self) -> None:
+        self.enable_prefix_caching = False
+        super().__post_init__()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return super().blocks_for(max(num_tokens, self.reserve_tokens))
+
+
+def scheduler_for(config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
+                  eos_token_ids: list[int], model_name: str, model_path: str = "", vocab_size: int = 0) -> Scheduler:
+    """The core Scheduler, or the baseline the config names."""
+    scheduler_type = StaticBatchingScheduler if config.batching == "static" else Scheduler
+    new_block_manager = (functools.partial(ContiguousBlockManager, reserve_tokens=max_model_len)
+                         if config.kv_layout == "contiguous" else BlockManager)
+    return scheduler_type(config, num_blocks, block_size, max_model_len, eos_token_ids, model_name,
+                          new_block_manager=new_block_manager, model_path=model_path, vocab_size=vocab_size)

@@ -1,0 +1,183 @@
+"""The continuous-batching loop around scheduler.core.Scheduler, and the streams it hands outputs to.
+
+Each iteration: schedule → worker.Step (its own process, scheduler/worker_process.py) → update → every
+RequestOutput goes to its request's stream at once. The next step is sent before the streams are served, so
+the worker never waits for them. A failed worker fails the requests in flight and is restarted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.context import Context
+
+from base.config import EngineConfig
+from base.errors import StatusError
+from base.prompt_checks import check_token_ids
+from base.sampling_params import SamplingParams
+from base.telemetry import TRACING_OFF, Tracing
+from protos import scheduler_pb2, worker_pb2
+from scheduler.admission import AdmissionLimits
+from scheduler.baselines import scheduler_for
+from scheduler.core import RequestOutput, Scheduler
+from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
+from scheduler.worker_process import WorkerFailed, WorkerProcess
+
+log = logging.getLogger(__name__)
+
+
+class Draining(Exception):
+    """The scheduler got SIGTERM: it finishes what it holds and takes nothing new."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """Where the loop hands one request's outputs: a queue of (stream, RequestOutput | Exception), shared by every
+    request of a Connect stream (scheduler/service.py)."""
+    request_id: str
+    num_samples: int
+    outputs: asyncio.Queue
+    finished: set[int] = field(default_factory=set)   # sample indexes whose last response was made
+    sent_first: bool = False
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.outputs.put_nowait((self, item))
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.num_samples
+
+
+class EngineLoop:
+    """Owns the core Scheduler and its worker; the only code that calls schedule/update."""
+
+    def __init__(self, config: EngineConfig, worker: WorkerProcess, info: worker_pb2.InitResponse,
+                 tracing: Tracing = TRACING_OFF, limits: AdmissionLimits = AdmissionLimits()):
+        self.config = config
+        self.limits = limits
+        self.draining = False
+        self.worker = worker
+        self.info = info
+        self.scheduler = self.new_scheduler()
+        self.streams: dict[str, RequestStream] = {}
+        self.wakeup = asyncio.Event()
+        self.on_kv_events = lambda stored, removed: None
+        self.failure: str | None = None
+        metrics = SchedulerMetrics(self.load, info.model_name, dict(info.device_info))
+        self.telemetry = SchedulerTelemetry(metrics, tracing)
+
+    def new_scheduler(self) -> Scheduler:
+        info = self.info
+        return scheduler_for(self.config, info.num_blocks, info.block_size, info.max_model_len,
+                             list(info.eos_token_ids), info.model_name, info.model_path, info.vocab_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    outputs: asyncio.Queue, trace_parent: Context | None = None) -> RequestStream:
+        if self.draining:
+            raise Draining("the scheduler is shutting down")
+        if self.failure:
+            raise WorkerFailed(self.failure)
+        check_token_ids(prompt_token_ids, self.info.vocab_size)
+        self.limits.check(self.scheduler, len(prompt_token_ids))
+        self.scheduler.add_request(request_id, prompt_token_ids, params)
+        self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
+        stream = RequestStream(request_id, params.n, outputs)
+        self.streams[request_id] = stream
+        self.wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request: its blocks are freed now, and nothing more is delivered for it."""
+        self.streams.pop(request_id, None)
+        self.telemetry.on_abort(request_id)
+        self.scheduler.abort_request(request_id)
+
+    async def run(self) -> None:
+        """Step until cancelled; a failed worker fails the in-flight requests and is restarted once per failure."""
+        while True:
+            try:
+                await self.run_steps()
+            except WorkerFailed as e:
+                self.fail_everything(str(e))
+            try:
+                await self.restart_worker()
+            except (WorkerFailed, grpc.aio.AioRpcError) as e:
+                self.failure = f"worker could not be restarted: {e}"
+                log.error(self.failure)
+                return
+
+    async def run_steps(self) -> None:
+        in_flight: tuple[worker_pb2.StepRequest, asyncio.Future] | None = None
+        try:
+            while True:
+                if in_flight is None:
+                    step = self.scheduler.schedule()
+                    if step is None:
+                        await self.wait_for_work()
+                        continue
+                    in_flight = self.send(step)
+                step, pending = in_flight
+                outputs = self.scheduler.update(step, await pending)
+                # the next step goes to the worker before the streams are served: the worker never waits for them
+                following = self.scheduler.schedule()
+                in_flight = self.send(following) if following is not None else None
+                self.telemetry.on_outputs(outputs)
+                self.deliver(outputs)
+                self.on_kv_events(*self.scheduler.drain_kv_events())
+        finally:
+            if in_flight is not None:
+                in_flight[1].cancel()
+
+    def send(self, step: worker_pb2.StepRequest) -> tuple[worker_pb2.StepRequest, asyncio.Future]:
+        self.telemetry.on_step(step)
+        return step, asyncio.ensure_future(self.worker.step(step))
+
+    async def restart_worker(self) -> None:
+        log.warning("restarting the worker")
+        await self.worker.stop()
+        self.info = await self.worker.start(self.config)
+        self.forget_cached_blocks()
+        old = self.scheduler
+        self.scheduler = self.new_scheduler()     # the new worker holds no sequences and an empty pool
+        self.scheduler.counters = old.counters    # cumulative metrics must not go backwards
+        self.scheduler.block_manager.counters = old.block_manager.counters
+        self.failure = None
+        log.warning("worker restarted")
+
+    async def wait_for_work(self) -> None:
+        self.wakeup.clear()
+        if self.scheduler.has_unfinished_requests():
+            await asyncio.sleep(0.001)   # e.g. only freed ids pending: look again soon
+        else:
+            await self.wakeup.wait()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is not None and out.error:   # e.g. its grammar did not compile: the request's fault
+                self.streams.pop(out.request_id)
+                stream.put(StatusError(grpc.StatusCode.INVALID_ARGUMENT, out.error))
+            elif stream is not None:
+                stream.put(out)
+
+    def forget_cached_blocks(self) -> None:
+        """The old pool's blocks are gone: withdraw them from the prefix index (after its pending events)."""
+        self.on_kv_events(*self.scheduler.drain_kv_events())
+        self.on_kv_events([], list(self.scheduler.block_manager.cached))
+
+    def fail_everything(self, reason: str) -> None:
+        log.error("%s; failing %d in-flight requests", reason, len(self.streams))
+        self.failure = reason
+        self.fail_streams(reason)
+
+    def fail_streams(self, reason: str) -> None:
+        for request_id, stream in list(self.streams.items()):
+            stream.put(WorkerFailed(reason))
+            self.telemetry.on_abort(request_id)
+            self.scheduler.abort_request(request_id)
+        self.streams.clear()
+
+    def load(self) -> scheduler_pb2.StatsResponse:
+        return self.scheduler.stats()

@@ -1,0 +1,69 @@
+"""The scheduler's co-located worker: spawned as a child process serving gpu_worker on a unix socket in a
+private temp dir, stepped over gRPC, stopped (or replaced after a failure) by the engine loop."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import grpc
+
+from base.config import EngineConfig, init_request
+from base.grpc_options import GRPC_OPTIONS
+from base.health import NotServing, wait_until_serving
+from protos import worker_pb2, worker_pb2_grpc
+
+WORKER_START_TIMEOUT_S = 300.0
+
+
+class WorkerFailed(Exception):
+    pass
+
+
+class WorkerProcess:
+    """One worker child process and the channel to it; start() again after stop() gives a fresh one."""
+
+    def __init__(self) -> None:
+        self.dir = ""
+        self.process: subprocess.Popen | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+
+    async def start(self, config: EngineConfig) -> worker_pb2.InitResponse:
+        self.dir = tempfile.mkdtemp(prefix="ferry-worker-")
+        socket_path = os.path.join(self.dir, "worker.sock")
+        self.process = subprocess.Popen([sys.executable, "-m", "gpu_worker", "--socket", socket_path,
+                                         "--parent-pid", str(os.getpid())])
+        address = f"unix:{socket_path}"
+        try:
+            await asyncio.to_thread(wait_until_serving, address, self.why_exited, WORKER_START_TIMEOUT_S)
+        except NotServing as e:
+            raise WorkerFailed(str(e)) from e
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        return await self.stub.Init(init_request(config))
+
+    def why_exited(self) -> str | None:
+        if self.process.poll() is None:
+            return None
+        return f"worker exited with code {self.process.returncode} while starting"
+
+    async def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        try:
+            return await self.stub.Step(step)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerFailed(f"worker step failed: {e.code().name}: {e.details()}") from e
+
+    async def stop(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                await asyncio.to_thread(self.process.wait, 10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)

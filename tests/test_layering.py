@@ -1,0 +1,102 @@
+"""The packages' imports only point down: protos (the contract) < base < kernels < gpu_worker < scheduler; router
+sits on protos and base only; the apps (ferry, benchmarks) on top. And router never loads torch, transformers or
+triton, not even through a module it imports. Every import counts: module level, inside functions, TYPE_CHECKING.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ["protos", "base", "kernels", "gpu_worker", "scheduler"]   # each may import those before it
+APPS = ["ferry", "benchmarks"]
+ALLOWED = {**{package: set(CORE[:i + 1]) for i, package in enumerate(CORE)},
+           "router": {"protos", "base", "router"},
+           **{app: set(CORE) | {"router"} | set(APPS) for app in APPS}}
+HEAVY = {"torch", "transformers", "triton"}
+
+
+def imported_modules(source: str, module: str) -> list[str]:
+    """Dotted names a module's source imports: `from a.b import c` gives a.b and a.b.c (c may be a module)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute_base(node, module)
+            found += [base] + [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
+    return found
+
+
+def absolute_base(node: ast.ImportFrom, module: str) -> str:
+    if not node.level:
+        return node.module
+    parent = module.split(".")[:-node.level]
+    return ".".join(parent + ([node.module] if node.module else []))
+
+
+def package_modules(root: Path, packages: list[str]) -> dict[str, Path]:
+    modules = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def layering_violations(root: Path, allowed: dict[str, set[str]]) -> list[str]:
+    """'module imports name' for every import of one of allowed's packages that its own package may not make."""
+    violations = []
+    for module, path in package_modules(root, list(allowed)).items():
+        package = module.split(".")[0]
+        for name in imported_modules(path.read_text(), module):
+            target = name.split(".")[0]
+            if target in allowed and target not in allowed[package]:
+                violations.append(f"{module} imports {name}")
+    return sorted(set(violations))
+
+
+def third_party_reached(root: Path, packages: list[str], start: str) -> set[str]:
+    """Top-level names of what start's modules import outside `packages`, directly or through modules of them."""
+    modules = package_modules(root, packages)
+    seen, todo, reached = set(), [m for m in modules if m.split(".")[0] == start], set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for name in imported_modules(modules[module].read_text(), module):
+            parts = name.split(".")
+            if parts[0] in packages:   # importing a.b.c runs a/__init__, a/b/__init__ and a/b/c
+                todo += [prefix for i in range(len(parts)) if (prefix := ".".join(parts[:i + 1])) in modules]
+            else:
+                reached.add(parts[0])
+    return reached
+
+
+def test_no_package_imports_one_above_it():
+    assert layering_violations(ROOT, ALLOWED) == []
+
+
+def test_router_never_loads_the_model_libraries():
+    assert third_party_reached(ROOT, list(ALLOWED), "router") & HEAVY == set()
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_checks_catch_an_upward_import_and_torch_behind_a_lower_package(tmp_path):
+    write(tmp_path, {"protos/__init__.py": "", "protos/wire.py": "import json\n",
+                     "base/__init__.py": "", "base/shared.py": "from . import helpers\n",
+                     "base/helpers.py": "def f():\n    import torch\n",
+                     "scheduler/__init__.py": "", "scheduler/loop.py": "from protos import wire\n",
+                     "router/__init__.py": "", "router/core.py": "from base.shared import f\nimport scheduler.loop\n"})
+    allowed = {package: ALLOWED[package] for package in ("protos", "base", "scheduler", "router")}
+    assert layering_violations(tmp_path, allowed) == ["router.core imports scheduler.loop"]
+    assert "torch" in third_party_reached(tmp_path, list(allowed), "router")
+    (tmp_path / "router/core.py").write_text("from protos.wire import json\n")
+    assert layering_violations(tmp_path, allowed) == []
+    assert third_party_reached(tmp_path, list(allowed), "router") & HEAVY == set()

@@ -1,0 +1,76 @@
+"""How the router paces a stream (issue 21): a client slower than the scheduler gets its pending tokens in one
+message, and a client's stream_interval sets the tokens per message; either way every token arrives, in order."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
+from protos import common_pb2, router_pb2, scheduler_pb2_grpc
+from router.core import Router
+from router.discovery import SchedulerDirectory
+from tests.conftest import build_tiny_tokenizer
+
+NUM_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer(path)
+    return str(path)
+
+
+async def stream(tokenizer_dir: str, stream_interval: int = 0, read_delay: float = 0.0,
+                 step_interval: float = 0.002) -> tuple[list[int], list[router_pb2.GenerateResponse]]:
+    """One request through a Router to a synthetic scheduler stepping every step_interval; the reader waits
+    read_delay after each message. Returns the tokens the scheduler emits for it and the messages the reader got."""
+    token_ids = single_character_tokens(tokenizer_dir)
+    scheduler, server = SyntheticScheduler(token_ids, step_interval, 8), grpc.aio.server()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stepping = asyncio.create_task(scheduler.run())
+    directory = SchedulerDirectory(static_addresses=[f"127.0.0.1:{port}"], static_model_path=tokenizer_dir)
+    await directory.start()
+    try:
+        request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]),
+                                             sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS),
+                                             stream_interval=stream_interval)
+        messages = []
+        async for response in Router(directory).generate(request):
+            messages.append(response)
+            await asyncio.sleep(read_delay)
+    finally:
+        stepping.cancel()
+        await directory.close()
+        await server.stop(0)
+    return [token_ids[i % len(token_ids)] for i in range(NUM_TOKENS)], messages
+
+
+def streamed_tokens(messages: list[router_pb2.GenerateResponse]) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+def test_a_slow_client_gets_every_token_in_order_in_fewer_messages(tokenizer_dir):
+    expected, messages = asyncio.run(stream(tokenizer_dir, read_delay=0.02))   # 10 steps per read
+    assert streamed_tokens(messages) == expected
+    assert "".join(m.text for m in messages) == "abcdefghijklmnopqrstuvwxyzabcdefghijklmn"
+    assert len(messages) < NUM_TOKENS / 3
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.completion_tokens == NUM_TOKENS
+
+
+def test_a_client_keeping_up_gets_a_message_per_step(tokenizer_dir):
+    expected, messages = asyncio.run(stream(tokenizer_dir, step_interval=0.01))
+    assert streamed_tokens(messages) == expected
+    assert len(messages) > NUM_TOKENS / 2
+
+
+def test_stream_interval_holds_tokens_until_that_many_arrived(tokenizer_dir):
+    expected, messages = asyncio.run(stream(tokenizer_dir, stream_interval=7))
+    assert streamed_tokens(messages) == expected
+    assert all(len(m.token_ids) >= 7 for m in messages[:-1])
+    assert len(messages) <= NUM_TOKENS // 7 + 1
