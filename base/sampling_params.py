@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from base.structured_output import StructuredOutput
 from protos import common_pb2
 
 MAX_TOP_LOGPROBS = 20
@@ -11,6 +12,8 @@ MAX_SAMPLES = 16             # n: parallel samples of one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stop string is held back from the stream while it may still be starting
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0   # OpenAI's bound
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -31,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)   # token id -> added to its logit
+    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens are out
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,6 +71,19 @@ class SamplingParams:
         if not 1 <= self.n <= MAX_SAMPLES:
             raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         self.validate_stops()
+        self.validate_logit_bias()
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+    def validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} "
+                                 f"for token {token_id}")
 
     def validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -86,9 +105,12 @@ class SamplingParams:
             "stop_token_ids": tuple(msg.stop_token_ids),
             "ignore_eos": msg.ignore_eos,
             "include_stop_str_in_output": msg.include_stop_str_in_output,
+            "structured_output": StructuredOutput.from_proto(msg.structured_output),
+            "logit_bias": dict(msg.logit_bias),
         }
         for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n"):
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n",
+                     "min_tokens"):
             if msg.HasField(name):
                 kwargs[name] = getattr(msg, name)
         return cls(**kwargs)
@@ -100,8 +122,12 @@ class SamplingParams:
             stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, n=self.n,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
         )
+        if self.structured_output is not None:
+            msg.structured_output.CopyFrom(self.structured_output.to_proto())
+        if self.min_tokens:
+            msg.min_tokens = self.min_tokens
         if self.seed is not None:
             msg.seed = self.seed
         if self.logprobs is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,7 +58,8 @@ class Engine:
         self.worker = worker
         self.info = worker.init(init_request(self.config))
         self.scheduler = scheduler_for(self.config, self.info.num_blocks, self.info.block_size,
-                                       self.info.max_model_len, list(self.info.eos_token_ids), self.info.model_name)
+                                       self.info.max_model_len, list(self.info.eos_token_ids), self.info.model_name,
+                                       self.info.model_path, self.info.vocab_size)
         self._tokenizer = None
         self.ids = itertools.count()
         self.last_step_seconds = 0.0
@@ -83,6 +85,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if step is None:
+            if self.scheduler.compiling:   # a grammar is compiling on a thread: leave it the CPU
+                time.sleep(0.001)
             return []
         result = self.worker.step(step)
         self.last_step_seconds = result.forward_seconds

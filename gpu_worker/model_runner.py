@@ -48,6 +48,7 @@ class ModelRunner:
     backend: object
     device: torch.device
     seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()     # what min_tokens holds back
     seqs: dict[str, SequenceState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -64,7 +65,7 @@ class ModelRunner:
         result = worker_pb2.StepResult(step_id=req.step_id)
         if not chunks:
             return result
-        tokens, logprobs = self.run(chunks)
+        tokens, logprobs = self.run(chunks, {m.seq_id: m.bits for m in req.token_bitmasks})
         result.forward_seconds = self.forward_seconds
         for chunk in chunks:
             chunk.seq.num_computed_tokens = chunk.end
@@ -93,7 +94,7 @@ class ModelRunner:
                 raise ValueError(f"sequence {chunk.seq.seq_id}: scheduled past its known tokens")
         return chunks
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list]:
+    def run(self, chunks: list[ScheduledChunk], bitmasks: dict[str, bytes]) -> tuple[list[int], list]:
         # Decodes first, shortest context first, then prefill chunks: each attention group is a run of rows.
         chunks.sort(key=lambda c: (c.num_tokens > 1, c.end))
         input_ids, positions, slots = self.pack(chunks)
@@ -106,9 +107,9 @@ class ModelRunner:
         self.forward_seconds = time.perf_counter() - started
         if logits is None:
             return [], []
-        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index)
-                for c in chunks if c.samples]
-        return sample(logits, rows, self.generator)
+        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index,
+                          bitmasks.get(c.seq.seq_id)) for c in chunks if c.samples]
+        return sample(logits, rows, self.generator, self.eos_token_ids)
 
     def pack(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         block_size = self.pool.block_size

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+"""Batched sampling: logit bias and masks (gpu_worker/logit_masks), penalties, greedy, temperature, top-k, top-p,
+min-p, per-request seeds, logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,7 @@ import torch
 import xxhash
 
 from base.sampling_params import SamplingParams
+from gpu_worker.logit_masks import adjusts_logits, apply_adjustments
 from kernels import cpu_layers
 from protos import common_pb2
 
@@ -17,15 +19,23 @@ class SampleRow:
     token_ids: list[int]        # every token so far (prompt + output)
     num_prompt_tokens: int
     sample_index: int
+    bitmask: bytes | None = None   # a structured output's allowed tokens (the scheduler's grammar matcher)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator, eos_token_ids: tuple[int, ...] = ()
            ) -> tuple[list[int], list[common_pb2.TokenLogprob | None]]:
     """logits [R, V] in the model's dtype, one row per sequence → one token id per row (+ logprobs where asked).
     Plain greedy rows take the argmax as they are; everything else is computed in float32."""
-    if all(is_plain_greedy(r.params) for r in rows):
+    adjusted = [r for r in rows if adjusts_logits(r)]
+    if not adjusted and all(is_plain_greedy(r.params) for r in rows):
         return greedy_tokens(logits).tolist(), [None] * len(rows)
     logits = logits.float()
+    if adjusted:
+        apply_adjustments(logits, rows, eos_token_ids)
     apply_penalties(logits, rows)
     want_logprobs = [r.params.logprobs is not None for r in rows]
     logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None

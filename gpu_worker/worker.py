@@ -83,13 +83,14 @@ class Worker:
             cpu_decode.extension()   # built (or found in the cache) now, not in the first step
         # both backends share the pool layout, so the fused CPU ops may store K and V for either
         model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
-        self.runner = ModelRunner(model, pool, backend, device, seed=req.seed)
+        eos = eos_token_ids(model_dir, hf_config)
+        self.runner = ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos))
         info = device_info(device, dtype)
         log.info("worker ready: %s on %s, %d KV blocks of %d tokens", model_dir.name,
                  " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)
         return worker_pb2.InitResponse(
             num_blocks=pool.num_blocks, block_size=block_size, max_model_len=max_model_len,
-            vocab_size=shape.vocab_size, eos_token_ids=eos_token_ids(model_dir, hf_config),
+            vocab_size=shape.vocab_size, eos_token_ids=eos,
             model_name=model_dir.name, model_path=str(model_dir.resolve()), device_info=info)
 
     @staticmethod

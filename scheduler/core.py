@@ -19,6 +19,7 @@ from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
 from scheduler.sequence import Request, Sequence, SequenceStatus
+from scheduler.structured_output import StructuredOutputManager
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RequestOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None                # the request failed (finish_reason "abort"): why
 
 
 @dataclass
@@ -45,7 +47,8 @@ class StepCounters:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
                  eos_token_ids: list[int], model_name: str,
-                 new_block_manager: Callable[..., BlockManager] = BlockManager):
+                 new_block_manager: Callable[..., BlockManager] = BlockManager, model_path: str = "",
+                 vocab_size: int = 0):
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -61,6 +64,10 @@ class Scheduler:
         self.counters = StepCounters()
         self.scheduled: dict[str, tuple[Sequence, int]] = {}
         self.budget = 0                           # tokens left to hand out in the step being scheduled
+        self.vocab_size = vocab_size
+        self.structured = StructuredOutputManager(model_path, vocab_size, eos_token_ids)
+        self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet
+        self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -70,7 +77,11 @@ class Scheduler:
         request.seqs.append(first)
         request.forked = params.n == 1
         self.requests[request_id] = request
-        self.waiting.append(first)
+        if params.structured_output is not None:
+            self.structured.submit(request_id, params.structured_output)
+            self.compiling.append(first)
+        else:
+            self.waiting.append(first)
 
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -78,6 +89,8 @@ class Scheduler:
         if not prompt:
             raise ValueError("prompt must not be empty")
         check_fits_context(len(prompt), params.max_tokens, self.max_model_len)
+        if self.vocab_size and any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         needed = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
@@ -93,8 +106,11 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self.structured.free(request_id, [s.seq_id for s in request.seqs])
         for seq in request.seqs:
-            if seq.status is SequenceStatus.WAITING:
+            if seq in self.compiling:
+                self.compiling.remove(seq)
+            elif seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
             elif seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
@@ -110,6 +126,8 @@ class Scheduler:
     def schedule(self) -> worker_pb2.StepRequest | None:
         self.scheduled = {}
         self.budget = self.config.max_num_batched_tokens
+        if self.compiling:
+            self.queue_compiled()
         # decodes first, then unfinished prefill chunks: a long prompt never stalls the running decodes
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -128,6 +146,17 @@ class Scheduler:
         if not preempted:
             self.admit_waiting()
         return self.build_step()
+
+    def queue_compiled(self) -> None:
+        """Sequences whose grammar is ready join the queue; those whose grammar failed end with the reason."""
+        compiled, failed = self.structured.collect()
+        for seq in [s for s in self.compiling if s.request_id in compiled]:
+            self.compiling.remove(seq)
+            self.structured.add_sequence(seq.request_id, seq.seq_id)
+            self.waiting.append(seq)
+        for request_id, reason in failed:
+            self.abort_request(request_id)
+            self.failed.append(RequestOutput(request_id, 0, [], finish_reason="abort", error=reason))
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
@@ -190,7 +219,7 @@ class Scheduler:
 
     def build_step(self) -> worker_pb2.StepRequest | None:
         copies = self.block_manager.pending_copies
-        if not self.scheduled and not self.freed_seq_ids and not copies:
+        if not self.scheduled and not self.freed_seq_ids and not copies and not self.failed:
             return None
         self.counters.steps += 1
         step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps)
@@ -207,6 +236,9 @@ class Scheduler:
                                   sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens)
                 self.worker_seqs.add(seq.seq_id)
             seq.num_blocks_sent = len(seq.block_ids)
+        step.token_bitmasks.extend(self.structured.bitmasks(
+            [s.seq_id for s, n in self.scheduled.values()
+             if self.structured.constrains(s.seq_id) and s.num_computed_tokens + n == s.num_tokens]))
         return step
 
     # --- results -------------------------------------------------------------------------------------
@@ -222,6 +254,7 @@ class Scheduler:
             self.block_manager.register_full_blocks(seq)
         outputs = [self.append_token(sampled) for sampled in result.sampled]
         self.scheduled = {}
+        outputs, self.failed = self.failed + outputs, []
         return [out for out in outputs if out is not None]
 
     def append_token(self, sampled: worker_pb2.SampledToken) -> RequestOutput | None:
@@ -231,6 +264,7 @@ class Scheduler:
         request = self.requests[seq.request_id]
         seq.token_ids.append(sampled.token_id)
         self.counters.generation_tokens += 1
+        refused = self.structured.constrains(seq.seq_id) and not self.structured.accept(seq.seq_id, sampled.token_id)
         output = RequestOutput(seq.request_id, seq.index, [sampled.token_id],
                                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens)
         if sampled.HasField("logprob"):
@@ -238,6 +272,8 @@ class Scheduler:
         if not request.forked:
             self.fork(request, seq)
         output.finish_reason, output.stop_token_id = self.finish_reason(seq, sampled.token_id)
+        if refused:   # never expected: the worker applied this grammar's mask
+            output.finish_reason, output.error = "abort", f"token {sampled.token_id} broke the structured output"
         if output.finish_reason:
             self.finish(seq)
         return output
@@ -251,6 +287,8 @@ class Scheduler:
             child.num_computed_tokens = prompt_len - 1
             child.kv_present_tokens = prompt_len
             child.status = SequenceStatus.RUNNING
+            if self.structured.constrains(first.seq_id):
+                self.structured.add_sequence(request.request_id, child.seq_id)
             request.seqs.append(child)
             self.running.append(child)
         request.forked = True
@@ -260,6 +298,8 @@ class Scheduler:
         if token_id in params.stop_token_ids:
             return "stop", token_id
         if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop", None
+        if self.structured.is_terminated(seq.seq_id):   # the grammar is complete and took a stop token
             return "stop", None
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
@@ -272,6 +312,7 @@ class Scheduler:
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]
+            self.structured.free(seq.request_id, [s.seq_id for s in request.seqs])
 
     def sequence(self, seq_id: str) -> Sequence | None:
         request_id, _, index = seq_id.rpartition("/")

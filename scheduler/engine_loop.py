@@ -14,6 +14,7 @@ import grpc
 from opentelemetry.context import Context
 
 from base.config import EngineConfig
+from base.errors import StatusError
 from base.prompt_checks import check_token_ids
 from base.sampling_params import SamplingParams
 from base.telemetry import TRACING_OFF, Tracing
@@ -70,7 +71,7 @@ class EngineLoop:
     def new_scheduler(self) -> Scheduler:
         info = self.info
         return scheduler_for(self.config, info.num_blocks, info.block_size, info.max_model_len,
-                             list(info.eos_token_ids), info.model_name)
+                             list(info.eos_token_ids), info.model_name, info.model_path, info.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     outputs: asyncio.Queue, trace_parent: Context | None = None) -> RequestStream:
@@ -155,7 +156,10 @@ class EngineLoop:
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self.streams.get(out.request_id)
-            if stream is not None:
+            if stream is not None and out.error:   # e.g. its grammar did not compile: the request's fault
+                self.streams.pop(out.request_id)
+                stream.put(StatusError(grpc.StatusCode.INVALID_ARGUMENT, out.error))
+            elif stream is not None:
                 stream.put(out)
 
     def forget_cached_blocks(self) -> None:

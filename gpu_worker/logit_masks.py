@@ -1,0 +1,59 @@
+"""What a request changes in its row of logits before sampling: logit_bias, min_tokens (stop tokens masked until
+reached) and a structured output's token bitmask (from the scheduler's grammar matcher). Rows that ask for none
+of them cost nothing."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from base.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.sampler import SampleRow
+
+BITS = torch.arange(32, dtype=torch.int32)
+
+
+def adjusts_logits(row: SampleRow) -> bool:
+    return row.bitmask is not None or bool(row.params.logit_bias) or row.num_output_tokens < row.params.min_tokens
+
+
+def apply_adjustments(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...]) -> None:
+    """logits: float32 [R, V], one row per SampleRow. Bias first, then the grammar's masks in one pass, then
+    min_tokens' (unless it would leave no token: a complete grammar allows only a stop token, and wins)."""
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            apply_logit_bias(logits[i], row.params.logit_bias)
+    masked = [i for i, row in enumerate(rows) if row.bitmask is not None]
+    if masked:
+        allowed = unpack_bitmasks([rows[i].bitmask for i in masked], logits.shape[1])
+        logits[masked] = logits[masked].masked_fill(~allowed, float("-inf"))
+    for i, row in enumerate(rows):
+        if row.num_output_tokens < row.params.min_tokens:
+            mask_stop_tokens(logits[i], stop_token_ids(row.params, eos_token_ids))
+
+
+def unpack_bitmasks(bitmasks: list[bytes], vocab_size: int) -> torch.Tensor:
+    """xgrammar's int32 words (bit j of word i: token 32 i + j allowed) → bool [rows, vocab_size], True: allowed."""
+    words = torch.frombuffer(bytearray(b"".join(bitmasks)), dtype=torch.int32).view(len(bitmasks), -1)
+    return ((words.unsqueeze(2) >> BITS) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None:
+    """logits: one float32 row. Ids past the vocabulary are ignored (the scheduler refuses them)."""
+    ids = [t for t in logit_bias if t < logits.shape[0]]
+    if ids:
+        logits[ids] += torch.tensor([logit_bias[t] for t in ids], dtype=logits.dtype)
+
+
+def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
+def mask_stop_tokens(logits: torch.Tensor, token_ids: list[int]) -> None:
+    ids = torch.tensor([t for t in token_ids if t < logits.shape[0]], dtype=torch.long)
+    kept = logits[ids].clone()
+    logits[ids] = float("-inf")
+    if not torch.isfinite(logits).any():
+        logits[ids] = kept
