@@ -69,12 +69,13 @@ class StreamState:
         if sample.finished:   # already ended by a stop string
             return None
         self.num_cached_tokens = max(self.num_cached_tokens, upstream.num_cached_tokens)
-        sample.num_tokens += len(upstream.token_ids)
         finish = upstream.finish_reason
-        delta = sample.detokenizer.add(list(upstream.token_ids), final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
+        delta, used = sample.detokenizer.add_until_stop(list(upstream.token_ids),
+                                                        final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
+        sample.num_tokens += used
         response = router_pb2.GenerateResponse(request_id=self.request_id, index=upstream.index,
-                                               token_ids=upstream.token_ids, text=delta.text,
-                                               logprobs=upstream.logprobs)
+                                               token_ids=upstream.token_ids[:used], text=delta.text,
+                                               logprobs=upstream.logprobs[:used])
         if delta.stop_string is not None:
             finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
         elif upstream.HasField("stop_token_id"):
@@ -226,7 +227,8 @@ class Router:
         """One scheduler's try at the request; with `hold`, its responses come out only once it is done."""
         self.pending[target.scheduler_id] += 1
         observed.attempt(target)
-        request = self.connection(target.address).submit(upstream, dict(observed.metadata), state.stream_interval)
+        request = self.connection(target.address).submit(upstream, dict(observed.metadata))
+        request.min_tokens = state.stream_interval
         held: list[router_pb2.GenerateResponse] = []
         try:
             async for message in request:

@@ -58,6 +58,19 @@ class IncrementalDetokenizer:
             return TextDelta("")
         return self.emit(text[:len(text) - held_back_length(text, self.stops)])
 
+    def add_until_stop(self, new_token_ids: list[int], final: bool = False) -> tuple[TextDelta, int]:
+        """add() for several tokens at once (a client's pending tokens in one response), and how many of them
+        count: with stop strings they go in one at a time, so none after the token that completed a match does."""
+        if not self.stops or len(new_token_ids) <= 1:
+            return self.add(new_token_ids, final), len(new_token_ids)
+        text = ""
+        for used, token_id in enumerate(new_token_ids, 1):
+            delta = self.add([token_id], final and used == len(new_token_ids))
+            text += delta.text
+            if delta.stop_string is not None:
+                return TextDelta(text, delta.stop_string), used
+        return TextDelta(text), len(new_token_ids)
+
     def decode_new_tokens(self) -> str:
         """The text of all tokens, decoding only the window from prefix_offset; commits it unless it ends in
         U+FFFD."""

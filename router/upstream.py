@@ -32,13 +32,14 @@ class UpstreamRequest:
 
     Each sample's tokens that arrived while the reader was busy come out merged into one response, so a reader
     slower than the scheduler (a client falling behind) gets what it missed in one message, not one per step.
-    With `min_tokens` a sample's tokens are held until there are that many, or it finished."""
+    Set `min_tokens` (the client's stream_interval) to hold a sample's tokens until there are that many, or it
+    finished."""
 
-    def __init__(self, connection: SchedulerConnection, request_id: str, num_samples: int, min_tokens: int = 1):
+    def __init__(self, connection: SchedulerConnection, request_id: str, num_samples: int):
         self.connection = connection
         self.request_id = request_id
         self.num_samples = num_samples
-        self.min_tokens = max(1, min_tokens)
+        self.min_tokens = 1
         self.events: asyncio.Queue = asyncio.Queue()   # RequestEvent | UpstreamError
         self.finished: set[int] = set()
         self.failed = False
@@ -96,10 +97,8 @@ class SchedulerConnection:
         self.requests: dict[str, UpstreamRequest] = {}
         self.reader: asyncio.Task | None = None
 
-    def submit(self, request: scheduler_pb2.ScheduleRequest, trace_context: dict[str, str],
-               min_tokens: int = 1) -> UpstreamRequest:
-        """`min_tokens`: the tokens of a sample its responses hold (except the last), the client's stream_interval."""
-        upstream = UpstreamRequest(self, request.request_id, request.sampling.n or 1, min_tokens)
+    def submit(self, request: scheduler_pb2.ScheduleRequest, trace_context: dict[str, str]) -> UpstreamRequest:
+        upstream = UpstreamRequest(self, request.request_id, request.sampling.n or 1)
         if request.request_id in self.requests:   # its events could not be told apart
             upstream.fail(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"request_id {request.request_id!r} is already in use"))

@@ -74,3 +74,21 @@ def test_stream_interval_holds_tokens_until_that_many_arrived(tokenizer_dir):
     assert streamed_tokens(messages) == expected
     assert all(len(m.token_ids) >= 7 for m in messages[:-1])
     assert len(messages) <= NUM_TOKENS // 7 + 1
+
+
+def test_a_stop_string_inside_merged_tokens_ends_the_sample_at_the_token_that_completed_it():
+    from protos import scheduler_pb2
+    from router.core import SampleState, StreamState
+    from router.detokenizer import IncrementalDetokenizer
+
+    def letters(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    state = StreamState("r", 3, [SampleState(IncrementalDetokenizer(letters, ("cd",)))])
+    merged = scheduler_pb2.ScheduleResponse(token_ids=[0, 1, 2, 3, 4, 5],   # "abcdef": "cd" ends at token 3
+                                            logprobs=[common_pb2.TokenLogprob(token_id=i) for i in range(6)])
+    response = state.on_response(merged)
+    assert response.text == "ab" and response.stop_reason == "cd"
+    assert list(response.token_ids) == [0, 1, 2, 3] and len(response.logprobs) == 4
+    assert response.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert response.usage.completion_tokens == 4
