@@ -73,9 +73,11 @@ class StreamState:
         delta, used = sample.detokenizer.add_until_stop(list(upstream.token_ids),
                                                         final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
         sample.num_tokens += used
+        whole = used == len(upstream.token_ids)
         response = router_pb2.GenerateResponse(request_id=self.request_id, index=upstream.index,
-                                               token_ids=upstream.token_ids[:used], text=delta.text,
-                                               logprobs=upstream.logprobs[:used])
+                                               token_ids=upstream.token_ids if whole else upstream.token_ids[:used],
+                                               text=delta.text,
+                                               logprobs=upstream.logprobs if whole else upstream.logprobs[:used])
         if delta.stop_string is not None:
             finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
         elif upstream.HasField("stop_token_id"):
