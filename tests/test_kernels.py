@@ -275,16 +275,21 @@ def dense_windowed(batch: PagedBatch, seq: int, num_new: int, scale: float, wind
     return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-@pytest.mark.parametrize("path", ["kernel", "masks", "masks-softcapped"])
+@pytest.mark.parametrize("path", ["kernel", "masks", "masks-softcapped", "without-cpp"])
 @pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 12]])
-def test_sliding_window_on_the_torch_backend_matches_a_dense_reference(new_tokens: list[int], path: str) -> None:
+def test_sliding_window_on_the_torch_backend_matches_a_dense_reference(new_tokens: list[int], path: str,
+                                                                       monkeypatch) -> None:
+    """Every path of the torch backend, with NaN in the blocks wholly before the windows: none reads them."""
+    if path == "without-cpp":
+        monkeypatch.setattr(cpu_decode, "extension", lambda: None)
     context_lens, window = [14, 3, 25], 6
     batch = make_batch(context_lens, num_heads=6, num_kv_heads=2, dtype=torch.float32, seed=5)
+    poison_blocks_before_windows(batch, new_tokens, window)
     query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
     query_lens = torch.tensor(new_tokens, dtype=torch.int32)
     softcap = 1.5 if path == "masks-softcapped" else 0.0
     meta = torch_paged.prepare(batch.block_tables, batch.context_lens, query_lens, BLOCK_SIZE, window,
-                               masked=path != "kernel")
+                               masked=path.startswith("masks"))
     out = torch_paged.attend(query, batch.k_cache, batch.v_cache, meta, 0.2, softcap)
     expected = torch.cat([dense_windowed(batch, seq, n, 0.2, window, softcap) for seq, n in enumerate(new_tokens)])
     assert_close(out, expected, torch.float32)
