@@ -42,7 +42,7 @@ class StepCounters:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: list[int], model_name: str):
+                 eos_token_ids: list[int], model_name: str, sliding_window: int = 0):
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -50,7 +50,7 @@ class Scheduler:
         reserve = max_model_len if config.kv_layout == "contiguous" else 0
         self.block_manager = BlockManager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
                                           enable_prefix_caching=config.enable_prefix_caching,
-                                          reserve_tokens=reserve)
+                                          reserve_tokens=reserve, sliding_window=sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -133,6 +133,7 @@ class Scheduler:
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
+        self.block_manager.free_blocks_before_window(seq)
         while not self.block_manager.append_slots(seq, num_tokens):
             victim = max(self.running, key=lambda s: s.arrival)
             self.preempt(victim)

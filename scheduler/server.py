@@ -142,7 +142,7 @@ class EngineLoop:
     def new_scheduler(self) -> Scheduler:
         info = self.info
         return Scheduler(self.config, info.num_blocks, info.block_size, info.max_model_len,
-                         list(info.eos_token_ids), info.model_name)
+                         list(info.eos_token_ids), info.model_name, info.sliding_window)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     trace_parent: Context | None = None, outputs: asyncio.Queue | None = None) -> RequestStream:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MixtralConfig, Phi3Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, MixtralConfig,
+                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from ferry import Engine, EngineConfig, SamplingParams
 from gpu_worker.model import rope_cos_sin
@@ -21,6 +21,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 HEAD_DIM = 16
 
 FAMILIES = {
+    "mistral_windowed": lambda: MistralConfig(head_dim=HEAD_DIM, **COMMON, sliding_window=WINDOW),  # all local
     "qwen3": lambda: Qwen3Config(head_dim=HEAD_DIM, **COMMON),
     "phi3": lambda: Phi3Config(**COMMON, original_max_position_embeddings=64, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
@@ -95,11 +96,32 @@ def test_preempted_requests_finish_with_the_tokens_of_transformers(family, promp
     _, model_dir, model = family
     expected = transformers_greedy(model, prompts, MAX_TOKENS)
     probe = tiny_engine(model_dir)
-    engine = tiny_engine(model_dir, kv_cache_memory=kv_bytes(probe, 14))
-    assert engine.info.num_blocks == 14
+    num_blocks = 12 if probe.info.sliding_window else 14   # blocks before the window freed: a pool that runs dry
+    engine = tiny_engine(model_dir, kv_cache_memory=kv_bytes(probe, num_blocks))
+    assert engine.info.num_blocks == num_blocks
     results = engine.generate(prompts, GREEDY)
     assert engine.stats().num_preemptions > 0
     assert [r.token_ids for r in results] == expected
+
+
+def test_a_sequence_past_the_window_of_every_layer_holds_only_the_blocks_in_it(tmp_path, prompts):
+    """Mistral with a sliding window on every layer: blocks wholly before the window go back to the pool as the
+    sequences decode, and the outputs stay transformers' (the worker never reads a block given back)."""
+    model_dir, model = build_tiny_model(tmp_path, "mistral_windowed")
+    engine = tiny_engine(model_dir)
+    assert engine.info.sliding_window == WINDOW
+    manager = engine.scheduler.block_manager
+    outputs = {str(i): [] for i in range(len(prompts))}
+    for request_id, prompt in zip(outputs, prompts):
+        engine.add_request(request_id, prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        decoding = [s for s in engine.scheduler.running if s.num_computed_tokens > s.num_prompt_tokens]
+        assert all(manager.num_held_blocks(s) <= -(-WINDOW // BLOCK_SIZE) + 1 for s in decoding)
+    assert max(len(p) for p in prompts) + MAX_TOKENS > 4 * WINDOW
+    assert list(outputs.values()) == transformers_greedy(model, prompts, MAX_TOKENS)
+    assert manager.num_free_blocks == manager.num_blocks
 
 
 def test_longrope_tables_are_transformers_short_and_long_rotations():
