@@ -2,10 +2,12 @@
 saved by transformers in float32, 4 prompts batched with greedy decoding, a prefix-cache hit and preemption."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, MixtralConfig,
-                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, MistralConfig,
+                          MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from ferry import Engine, EngineConfig, SamplingParams
 from gpu_worker.model import rope_cos_sin
@@ -122,6 +124,58 @@ def test_a_sequence_past_the_window_of_every_layer_holds_only_the_blocks_in_it(t
     assert max(len(p) for p in prompts) + MAX_TOKENS > 4 * WINDOW
     assert list(outputs.values()) == transformers_greedy(model, prompts, MAX_TOKENS)
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def write_qwen3_gguf(model, model_dir, path) -> None:
+    """The model's float32 tensors under llama.cpp's names and its config and BPE tokenizer as GGUF metadata, as
+    gguf.GGUFWriter writes them (what llama.cpp's converter would produce, unquantized)."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_name("tiny-qwen3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])   # 3: control tokens
+    writer.add_token_merges([" ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3_gguf_file_is_served_token_exact_against_transformers(tmp_path, prompts, monkeypatch):
+    """A GGUF file as --model: dequantized once into the cache (its head size read from the file, which
+    transformers' GGUF config leaves out), then served like the HF directory it was written from."""
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, model = build_tiny_model(tmp_path / "hf", "qwen3")
+    write_qwen3_gguf(model, model_dir, tmp_path / "tiny-qwen3.gguf")
+    engine = tiny_engine(tmp_path / "tiny-qwen3.gguf")
+    assert engine.info.model_path.startswith(str(tmp_path / "cache"))
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == transformers_greedy(model, prompts, MAX_TOKENS)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert engine.encode("hello world") == hf_tokenizer("hello world", add_special_tokens=False).input_ids
 
 
 def test_longrope_tables_are_transformers_short_and_long_rotations():
