@@ -81,7 +81,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
 
 def gguf_config(gguf_file: Path):
     """transformers' config of the file, with the head size the file states: transformers' GGUF reader leaves
-    `attention.key_length` out, so Qwen3 and Gemma configs would keep their class's default head_dim."""
+    `attention.key_length` out for some architectures (Qwen3), whose configs would keep their default head_dim."""
     from gguf import GGUFReader
     from transformers import AutoConfig
 
