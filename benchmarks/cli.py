@@ -1,4 +1,4 @@
-"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster | router`."""
+"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster | router | moe`."""
 from __future__ import annotations
 
 import argparse
@@ -55,6 +55,7 @@ def add_bench_parser(sub) -> None:
     add_split_parser(bench)
     add_cluster_parser(bench)
     add_router_parser(bench)
+    add_moe_parser(bench)
 
 
 def add_router_parser(bench) -> None:
@@ -189,6 +190,32 @@ def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return cpu_features.detect().describe()
+
+
+def add_moe_parser(bench) -> None:
+    moe = bench.add_parser("moe", help="issue 26: a Mixtral-shaped decode step vs a dense one of the same active "
+                                       "parameters (tiny random models)")
+    moe.add_argument("--hidden-size", type=int, default=256)
+    moe.add_argument("--layers", type=int, default=4)
+    moe.add_argument("--experts", type=int, default=8)
+    moe.add_argument("--top-k", type=int, default=2)
+    moe.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size")
+    moe.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
+    moe.add_argument("--batch", type=int, default=32)
+    moe.add_argument("--prompt-len", type=int, default=64)
+    moe.add_argument("--repeats", type=int, default=32, help="decode steps timed per model, interleaved")
+    moe.add_argument("--json", action="store_true", help="print one JSON object")
+    moe.set_defaults(handler=run_moe)
+
+
+def run_moe(args) -> int:
+    from benchmarks.moe import MoeShapes, measure
+
+    shapes = MoeShapes(hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts,
+                       top_k=args.top_k, expert_size=args.expert_size)
+    result = measure(shapes, args.dtype, args.batch, args.prompt_len, args.repeats)
+    report(args, {"machine": machine(), **result.as_dict()})
+    return 0
 
 
 def run_roofline(args) -> int:

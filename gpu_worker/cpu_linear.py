@@ -22,28 +22,41 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An [out, in] weight in oneDNN's blocked layout, for packed_linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [tokens, in] → [tokens, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.packed_weight = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:   # the model's activations: [tokens, features]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+            return packed_linear(x, self.packed_weight, self.bias)
+        out = packed_linear(x.reshape(-1, self.in_features), self.packed_weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linear_layers(module: nn.Module) -> int:
-    """Replaces every nn.Linear under module by a PackedLinear; returns how many were replaced."""
+    """Replaces every nn.Linear under module by a PackedLinear, and has every module with stacked expert weights
+    (gpu_worker.models.moe.SparseMoe) pack them; returns how many linears were replaced."""
     replaced = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
             setattr(module, name, PackedLinear(child))
             replaced += 1
+        elif hasattr(child, "pack_experts"):
+            child.pack_experts()
+            replaced += pack_linear_layers(child)
         else:
             replaced += pack_linear_layers(child)
     return replaced

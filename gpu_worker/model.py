@@ -158,8 +158,8 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 class AttentionBatch:
     """What every layer's attention needs for one step, built once per step by the model runner: groups of
     sequences (decodes of similar context length, then prefill chunks), each a contiguous run of token rows.
-    window_groups: the same rows prepared by kernels.torch_paged per sliding window (0: none, for softcapped
-    scores), for the layers the backend does not cover (model_runner.ModelRunner.window_groups)."""
+    window_groups: the same rows prepared per sliding window (0: none, for softcapped scores, which only
+    kernels.torch_paged's masks apply), for the layers that need them (model_runner.ModelRunner.window_groups)."""
     backend: ModuleType
     slot_mapping: torch.Tensor
     groups: list[tuple[slice, object]]   # (token rows, backend metadata)
@@ -170,8 +170,11 @@ class AttentionBatch:
         has no groups of its own: those layers attend as global ones."""
         if window not in self.window_groups:
             window = 0
-        if window or softcap:
+        if softcap:
             return torch.cat([torch_paged.attend(q[rows], k_cache, v_cache, meta, scale, softcap)
+                              for rows, meta in self.window_groups[window]])
+        if window:
+            return torch.cat([self.backend.attend(q[rows], k_cache, v_cache, meta, scale)
                               for rows, meta in self.window_groups[window]])
         if len(self.groups) == 1:
             return self.backend.attend(q, k_cache, v_cache, self.groups[0][1], scale)

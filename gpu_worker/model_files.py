@@ -1,6 +1,8 @@
-"""Where model files come from: a local Hugging Face directory, or the default model's GGUF converted once."""
+"""Where model files come from: a local Hugging Face directory, or a GGUF file (the default model's, or one
+given) dequantized once into an HF directory in the cache by transformers' GGUF reader."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -16,13 +18,26 @@ def cache_dir() -> Path:
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A local HF directory as given, or "" for the default model (converted from its GGUF on first use)."""
+    """A local HF directory as given, a .gguf file or "" for the default model (converted on first use)."""
     if not model:
         return default_model_dir()
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_model_dir(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"model {model!r} is not a local Hugging Face directory (no config.json there)")
+        raise ValueError(f"model {model!r} is neither a local Hugging Face directory (no config.json there) "
+                         "nor a .gguf file")
     return path
+
+
+def gguf_model_dir(gguf_file: Path) -> Path:
+    """The file's HF directory in the cache, keyed by its path, size and modification time."""
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{gguf_file.stem}-{key}"
+    if not (target / "config.json").is_file():
+        convert_gguf(gguf_file, target)
+    return target
 
 
 def default_model_dir() -> Path:
@@ -51,7 +66,8 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                     config=gguf_config(gguf_file))
         save_dequantized(model, staging)
         tokenizer.save_pretrained(staging)
         try:
@@ -61,6 +77,21 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def gguf_config(gguf_file: Path):
+    """transformers' config of the file, with the head size the file states: transformers' GGUF reader leaves
+    `attention.key_length` out for some architectures (Qwen3), whose configs would keep their default head_dim."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    reader = GGUFReader(gguf_file)
+    architecture = reader.fields["general.architecture"].contents()
+    key_length = reader.fields.get(f"{architecture}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.contents())
+    return config
 
 
 def save_dequantized(model, directory: Path) -> None:

@@ -145,8 +145,7 @@ class ModelRunner:
         return reached + [0] if self.model.attention_softcap else reached
 
     def window_groups(self, chunks: list[ScheduledChunk], num_decode: int, window: int) -> list[tuple[slice, object]]:
-        """The decodes, then the prefill chunks, prepared by torch_paged for a window (0: causal only): on the CPU
-        its C++ kernel where the scores are not softcapped, else masks."""
+        """The decodes, then the prefill chunks, prepared for a window (0: causal only, for softcapped scores)."""
         groups, row = [], 0
         for group in (chunks[:num_decode], chunks[num_decode:]):
             if group:
@@ -156,7 +155,8 @@ class ModelRunner:
         return groups
 
     def metadata(self, chunks: list[ScheduledChunk], window: int | None = None):
-        """The backend's metadata for these chunks, or torch_paged's for a window (0: none)."""
+        """The backend's metadata for these chunks, with a window if given (0: none); torch_paged's with masks
+        where the model softcaps its scores (no kernel does)."""
         width = max((c.end + self.pool.block_size - 1) // self.pool.block_size for c in chunks)
         tables = torch.zeros(len(chunks), width, dtype=torch.int32)
         for i, c in enumerate(chunks):
@@ -165,10 +165,10 @@ class ModelRunner:
         context_lens = torch.tensor([c.end for c in chunks], dtype=torch.int32)
         query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32)
         to = lambda t: t.to(self.device)  # noqa: E731
-        if window is not None:
+        if window is not None and self.model.attention_softcap:
             return torch_paged.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size,
-                                       window, masked=bool(self.model.attention_softcap))
-        return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size)
+                                       window, masked=True)
+        return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size, window or 0)
 
 
 def decode_buckets(decodes: list[ScheduledChunk], max_buckets: int = 4,

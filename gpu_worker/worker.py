@@ -61,6 +61,12 @@ def eos_token_ids(model_dir, hf_config) -> list[int]:
     return sorted(set(ids))
 
 
+def freeable_window(shape) -> int:
+    """The window before which no layer reads, when every layer is local; 0 when some layer is global."""
+    windows = shape.layer_windows
+    return max(windows) if windows and all(windows) else 0
+
+
 class Worker:
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
@@ -91,7 +97,8 @@ class Worker:
         return worker_pb2.InitResponse(
             num_blocks=pool.num_blocks, block_size=block_size, max_model_len=max_model_len,
             vocab_size=shape.vocab_size, eos_token_ids=eos,
-            model_name=model_dir.name, model_path=str(model_dir.resolve()), device_info=info)
+            model_name=model_dir.name, model_path=str(model_dir.resolve()), device_info=info,
+            sliding_window=freeable_window(shape))
 
     @staticmethod
     def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device) -> torch.nn.Module:

@@ -54,18 +54,22 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
                              prefill_chunks(block_tables, context_lens.tolist(), query_lens.tolist(), block_size,
                                             window))
     max_context = int(context_lens.max())
-    positions = torch.arange(max_context, device=device)
+    span = min(window, max_context) if window else max_context
+    # each sequence's last `span` positions (its first ones, padding included, when it is shorter): the blocks
+    # before a window are never read, as the scheduler may have freed them
+    first = (context_lens.long() - span).clamp(min=0).unsqueeze(1)                          # [S, 1]
+    positions = first + torch.arange(span, device=device).unsqueeze(0)                      # [S, C]
     kv_slots = context_slots(block_tables, positions, block_size)
-    key_valid = positions.unsqueeze(0) < context_lens.unsqueeze(1).long()                  # [S, C]
-    if window:
-        key_valid &= positions.unsqueeze(0) >= context_lens.unsqueeze(1).long() - window
+    key_valid = positions < context_lens.unsqueeze(1).long()
     needs_mask = masked or window > 0 or bool((context_lens != max_context).any())
     return PagedMetadata(num_seqs, 1, kv_slots, key_valid.view(num_seqs, 1, 1, -1) if needs_mask else None)
 
 
 def context_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[S, len(positions)] flat pool slot of each position of each sequence, through its block table."""
-    blocks = block_tables.long().gather(1, (positions // block_size).expand(block_tables.shape[0], -1))
+    """Flat pool slot of each position of each sequence, through its block table: positions [C] (the same for
+    every sequence) or [S, C] → [S, C]."""
+    positions = positions.expand(block_tables.shape[0], -1)
+    blocks = block_tables.long().gather(1, positions // block_size)
     return blocks * block_size + positions % block_size
 
 
@@ -86,7 +90,8 @@ def prefill_chunks(block_tables: torch.Tensor, context_lens: list[int], query_le
     device = block_tables.device
     chunks, row = [], 0
     for seq, (context, query) in enumerate(zip(context_lens, query_lens)):
-        positions = torch.arange(context, device=device)
+        first = max(0, context - query - window + 1) if window else 0   # the first query's window
+        positions = torch.arange(first, context, device=device)
         slots = context_slots(block_tables[seq:seq + 1], positions, block_size)[0]
         query_positions = torch.arange(context - query, context, device=device)
         blocked = positions.unsqueeze(0) > query_positions.unsqueeze(1)

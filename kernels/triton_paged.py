@@ -36,6 +36,7 @@ DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30          # the kernels' window argument when every query sees its whole context
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.co
 
 @triton.jit
 def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                   context_lens_ptr, qk_scale, block_size, num_heads, num_partitions,
+                   context_lens_ptr, qk_scale, block_size, num_heads, num_partitions, window,
                    stride_qs, stride_qh, stride_os, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
@@ -100,6 +101,7 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_ca
     context_len = tl.load(context_lens_ptr + seq)
     part_start = part * PARTITION_SIZE
     part_end = tl.minimum(part_start + PARTITION_SIZE, context_len)
+    first_visible = tl.maximum(part_start, context_len - window)   # positions before the window are never read
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,7 +117,7 @@ def _decode_kernel(out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_ca
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     block_table_row = block_tables_ptr + seq * stride_bt
-    for start in range(part_start, part_end, BLOCK_N):
+    for start in range(first_visible, part_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < part_end
         k, v = _load_kv_tiles(k_cache_ptr, v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid,
@@ -156,7 +158,7 @@ def _merge_partitions_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_heads, num
 
 @triton.jit
 def _prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-                    qk_scale, block_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    qk_scale, block_size, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     stride_cb, stride_cs, stride_ch,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
@@ -191,12 +193,14 @@ def _prefill_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
     block_table_row = block_tables_ptr + seq * stride_bt
     last_token = tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     key_end = tl.where(q_tile * BLOCK_Q < q_len, prefix_len + last_token, 0)  # causal: nothing past the tile
-    for start in range(0, key_end, BLOCK_N):
+    key_start = tl.maximum(prefix_len + q_tile * BLOCK_Q - window + 1, 0)    # the tile's first query's window
+    for start in range(key_start, key_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < key_end
         k, v = _load_kv_tiles(k_cache_ptr, v_cache_ptr, block_table_row, positions, valid, kv_head, offs_d, d_valid,
                               block_size, stride_cb, stride_cs, stride_ch, UPCAST)
         visible = valid[None, :] & (positions[None, :] <= query_positions[:, None])
+        visible = visible & (positions[None, :] > query_positions[:, None] - window)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -249,8 +253,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            partition_size: int = DEFAULT_PARTITION_SIZE,
-                           max_context_len: int | None = None) -> torch.Tensor:
-    """Partitions cover max_context_len, or else the block table's width: no device sync either way."""
+                           max_context_len: int | None = None, window: int = 0) -> torch.Tensor:
+    """Partitions cover max_context_len, or else the block table's width: no device sync either way. window:
+    each query sees its last `window` positions (0: all); blocks wholly before them are not read."""
     _require_triton()
     _check_pool(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
@@ -275,7 +280,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_d = _next_pow2(head_dim, 16)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out, part_out, part_lse, query, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E, block_size, num_heads, num_partitions,
+        scale * LOG2E, block_size, num_heads, num_partitions, window or NO_WINDOW,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=_next_pow2(group, 16), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
@@ -290,8 +295,9 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, max_query_len: int | None = None) -> torch.Tensor:
-    """Pass max_query_len when the caller knows it, to save reading cu_seqlens_q back from the device."""
+                            scale: float, max_query_len: int | None = None, window: int = 0) -> torch.Tensor:
+    """Pass max_query_len when the caller knows it, to save reading cu_seqlens_q back from the device. window: as
+    in paged_attention_decode, each query row's own."""
     _require_triton()
     _check_pool(k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -310,7 +316,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     upcast, precision = _compute_flags(query.dtype)
     _prefill_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))](
         out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-        scale * LOG2E, block_size, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, block_size, window or NO_WINDOW, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim, 16),
         BLOCK_N=PREFILL_BLOCK_N, UPCAST=upcast, DOT_PRECISION=precision,
@@ -326,15 +333,16 @@ class PagedMetadata:
     cu_seqlens_q: torch.Tensor    # [num_seqs + 1] int32
     max_query_len: int
     max_context_len: int
+    window: int = 0               # sliding window (0: none)
 
 
 def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
-            block_size: int) -> PagedMetadata:
+            block_size: int, window: int = 0) -> PagedMetadata:
     """The model runner's per-step hook (same as kernels.torch_paged.prepare)."""
     cu_seqlens_q = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=query_lens.device)
     cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
     return PagedMetadata(block_tables.to(torch.int32), context_lens.to(torch.int32), cu_seqlens_q,
-                         int(query_lens.max()), block_tables.shape[1] * block_size)
+                         int(query_lens.max()), block_tables.shape[1] * block_size, window)
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
@@ -342,6 +350,6 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
     """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]."""
     if meta.max_query_len == 1:
         return paged_attention_decode(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                      max_context_len=meta.max_context_len)
+                                      max_context_len=meta.max_context_len, window=meta.window)
     return paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                   meta.context_lens, scale, max_query_len=meta.max_query_len)
+                                   meta.context_lens, scale, max_query_len=meta.max_query_len, window=meta.window)

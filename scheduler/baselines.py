@@ -48,10 +48,12 @@ class ContiguousBlockManager(BlockManager):
 
 
 def scheduler_for(config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
-                  eos_token_ids: list[int], model_name: str, model_path: str = "", vocab_size: int = 0) -> Scheduler:
+                  eos_token_ids: list[int], model_name: str, model_path: str = "", vocab_size: int = 0,
+                  sliding_window: int = 0) -> Scheduler:
     """The core Scheduler, or the baseline the config names."""
     scheduler_type = StaticBatchingScheduler if config.batching == "static" else Scheduler
     new_block_manager = (functools.partial(ContiguousBlockManager, reserve_tokens=max_model_len)
                          if config.kv_layout == "contiguous" else BlockManager)
     return scheduler_type(config, num_blocks, block_size, max_model_len, eos_token_ids, model_name,
-                          new_block_manager=new_block_manager, model_path=model_path, vocab_size=vocab_size)
+                          new_block_manager=new_block_manager, model_path=model_path, vocab_size=vocab_size,
+                          sliding_window=sliding_window)

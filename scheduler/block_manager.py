@@ -35,6 +35,7 @@ class BlockManager:
     block_size: int
     root_hash: int
     enable_prefix_caching: bool = True
+    sliding_window: int = 0            # every layer attends to its last this many positions (0: to all)
     counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
     def __post_init__(self) -> None:
@@ -140,31 +141,50 @@ class BlockManager:
         return True
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        """child shares parent's blocks holding its first num_tokens tokens."""
+        """child shares parent's blocks holding its first num_tokens tokens (those it still holds)."""
         child.block_ids = parent.block_ids[:math.ceil(num_tokens / self.block_size)]
-        for block_id in child.block_ids:
+        child.num_freed_blocks = min(parent.num_freed_blocks, len(child.block_ids))
+        for block_id in child.block_ids[child.num_freed_blocks:]:
             self.blocks[block_id].ref_count += 1
         child.block_hashes = parent.block_hashes[:num_tokens // self.block_size]
         child.num_registered_blocks = min(parent.num_registered_blocks, len(child.block_hashes))
 
     def free(self, seq: Sequence) -> None:
         # The tail blocks go in last-freed-first: they are the least likely to be shared again.
-        for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.num_cached_free_blocks += 1
+        for block_id in reversed(seq.block_ids[seq.num_freed_blocks:]):
+            self.release_block(block_id)
         seq.block_ids = []
+        seq.num_freed_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.num_blocks_sent = 0
         seq.kv_present_tokens = 0
 
+    def free_blocks_before_window(self, seq: Sequence) -> None:
+        """Give back seq's blocks wholly before the window of its next token, which no layer reads again. Their
+        ids stay in seq.block_ids (positions keep their index) and the worker's table: the kernels skip them."""
+        if not self.sliding_window:
+            return
+        first_needed = seq.num_computed_tokens - self.sliding_window + 1
+        for index in range(seq.num_freed_blocks, max(0, first_needed) // self.block_size):
+            self.release_block(seq.block_ids[index])
+        seq.num_freed_blocks = max(seq.num_freed_blocks, first_needed // self.block_size)
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        return len(seq.block_ids) - seq.num_freed_blocks
+
     # --- internals -----------------------------------------------------------------------------------
+    def release_block(self, block_id: int) -> None:
+        """Drop one reference; a block left unreferenced stays findable by its hash until it is reused."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
+            else:
+                self.num_cached_free_blocks += 1
+
     def take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -48,13 +48,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
                  eos_token_ids: list[int], model_name: str,
                  new_block_manager: Callable[..., BlockManager] = BlockManager, model_path: str = "",
-                 vocab_size: int = 0):
+                 vocab_size: int = 0, sliding_window: int = 0):
         self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = new_block_manager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
-                                               enable_prefix_caching=config.enable_prefix_caching)
+                                               enable_prefix_caching=config.enable_prefix_caching,
+                                               sliding_window=sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -160,6 +161,7 @@ class Scheduler:
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
+        self.block_manager.free_blocks_before_window(seq)
         while not self.block_manager.append_slots(seq, num_tokens):
             victim = max(self.running, key=lambda s: s.arrival)
             self.preempt(victim)

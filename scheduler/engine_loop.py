@@ -71,7 +71,8 @@ class EngineLoop:
     def new_scheduler(self) -> Scheduler:
         info = self.info
         return scheduler_for(self.config, info.num_blocks, info.block_size, info.max_model_len,
-                             list(info.eos_token_ids), info.model_name, info.model_path, info.vocab_size)
+                             list(info.eos_token_ids), info.model_name, info.model_path, info.vocab_size,
+                             info.sliding_window)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     outputs: asyncio.Queue, trace_parent: Context | None = None) -> RequestStream:

@@ -100,3 +100,25 @@ def test_grpc_stream_cost_counts_every_message_and_both_sides_cpu():
     result = grpc_stream_cost.measure(streams=8, messages=100, interval=0.001)   # ~0.1 s of CPU each side
     assert result["messages"] == 800
     assert result["server_us_per_message"] > 0 and result["client_us_per_message"] > 0
+
+
+def test_moe_bench_times_a_mixtral_decode_step_against_a_dense_one_of_the_same_active_parameters():
+    result = run_bench("moe", "--hidden-size", "32", "--layers", "1", "--experts", "4", "--top-k", "2",
+                       "--expert-size", "16", "--dtype", "float32", "--batch", "4", "--prompt-len", "5",
+                       "--repeats", "3")
+    assert result["batch"] == 4 and result["dtype"] == "float32"
+    assert result["shapes"]["num_experts"] == 4 and result["shapes"]["top_k"] == 2
+    router = 32 * 4
+    assert result["moe_active_parameters"] - result["dense_active_parameters"] == router
+    assert result["moe_step_ms"] > 0 and result["dense_step_ms"] > 0
+    assert result["moe_over_dense"] == pytest.approx(result["moe_step_ms"] / result["dense_step_ms"], rel=0.01)
+
+
+def test_moe_bench_counts_the_active_parameters_of_the_dense_model_it_builds(tmp_path):
+    from benchmarks.moe import MoeShapes, save_models
+    from benchmarks.roofline import linear_parameters
+    from transformers import AutoModelForCausalLM
+    shapes = MoeShapes(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
+                       expert_size=16, vocab_size=64)
+    _, dense_dir = save_models(shapes, tmp_path)
+    assert linear_parameters(AutoModelForCausalLM.from_pretrained(dense_dir)) == shapes.active_parameters(moe=False)

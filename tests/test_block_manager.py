@@ -22,12 +22,15 @@ BLOCK_SIZE = 4
 def check_invariants(scheduler: Scheduler) -> None:
     bm = scheduler.block_manager
     live = [s for s in scheduler.running]
-    owners = Counter(b for s in live for b in s.block_ids)
+    owners = Counter(b for s in live for b in s.block_ids[s.num_freed_blocks:])   # those before a window: given back
     for block in bm.blocks:
         assert block.ref_count == owners.get(block.block_id, 0), "ref count disagrees with the block tables"
         assert (block.ref_count == 0) == (block.block_id in bm.free_queue), "free queue disagrees with ref counts"
     for seq in live:
-        assert len(set(seq.block_ids)) == len(seq.block_ids), "a sequence holds a block twice"
+        held = seq.block_ids[seq.num_freed_blocks:]
+        assert len(set(held)) == len(held), "a sequence holds a block twice"
+        first_read = seq.num_computed_tokens - bm.sliding_window + 1 if bm.sliding_window else 0
+        assert seq.num_freed_blocks * BLOCK_SIZE <= max(0, first_read), "a block in reach was given back"
         # waste: no block beyond what its known tokens need, so less than one block's slots per sequence
         assert len(seq.block_ids) <= -(-seq.num_tokens // BLOCK_SIZE)
     for block_hash, block_id in bm.cached.items():
@@ -55,12 +58,12 @@ requests = st.lists(st.tuples(st.lists(st.integers(3, 12), min_size=1, max_size=
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=requests, num_blocks=st.integers(12, 40), budget=st.integers(1, 64),
        prefix_caching=st.booleans(), abort_every=st.integers(0, 7), token=st.integers(3, 12),
-       batching=st.sampled_from(["continuous", "static"]))
+       batching=st.sampled_from(["continuous", "static"]), window=st.sampled_from([0, 5, 8]))
 def test_blocks_are_never_shared_wrongly_and_all_come_back(requests, num_blocks, budget, prefix_caching,
-                                                           abort_every, token, batching):
+                                                           abort_every, token, batching, window):
     config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching,
                           batching=batching)
-    scheduler = scheduler_for(config, num_blocks, BLOCK_SIZE, 64, [2], "m")
+    scheduler = scheduler_for(config, num_blocks, BLOCK_SIZE, 64, [2], "m", sliding_window=window)
     for i, (prompt, max_tokens, n) in enumerate(requests):
         scheduler.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
     for step_number in range(1, 500):

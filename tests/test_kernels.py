@@ -275,16 +275,76 @@ def dense_windowed(batch: PagedBatch, seq: int, num_new: int, scale: float, wind
     return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-@pytest.mark.parametrize("path", ["kernel", "masks", "masks-softcapped"])
+@pytest.mark.parametrize("path", ["kernel", "masks", "masks-softcapped", "without-cpp"])
 @pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 12]])
-def test_sliding_window_on_the_torch_backend_matches_a_dense_reference(new_tokens: list[int], path: str) -> None:
+def test_sliding_window_on_the_torch_backend_matches_a_dense_reference(new_tokens: list[int], path: str,
+                                                                       monkeypatch) -> None:
+    """Every path of the torch backend, with NaN in the blocks wholly before the windows: none reads them."""
+    if path == "without-cpp":
+        monkeypatch.setattr(cpu_decode, "extension", lambda: None)
     context_lens, window = [14, 3, 25], 6
     batch = make_batch(context_lens, num_heads=6, num_kv_heads=2, dtype=torch.float32, seed=5)
+    poison_blocks_before_windows(batch, new_tokens, window)
     query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
     query_lens = torch.tensor(new_tokens, dtype=torch.int32)
     softcap = 1.5 if path == "masks-softcapped" else 0.0
     meta = torch_paged.prepare(batch.block_tables, batch.context_lens, query_lens, BLOCK_SIZE, window,
-                               masked=path != "kernel")
+                               masked=path.startswith("masks"))
     out = torch_paged.attend(query, batch.k_cache, batch.v_cache, meta, 0.2, softcap)
     expected = torch.cat([dense_windowed(batch, seq, n, 0.2, window, softcap) for seq, n in enumerate(new_tokens)])
     assert_close(out, expected, torch.float32)
+
+
+def poison_blocks_before_windows(batch: PagedBatch, new_tokens: list[int], window: int) -> None:
+    """NaN in every block wholly before the window of a sequence's first new token: what a freed block may hold
+    once the pool reuses it. A kernel that reads one (even masked) turns the output NaN."""
+    for seq, (context_len, num_new) in enumerate(zip(batch.context_lens.tolist(), new_tokens)):
+        first_visible = context_len - num_new - window + 1
+        for index in range(max(0, first_visible) // BLOCK_SIZE):
+            block = int(batch.block_tables[seq, index])
+            batch.k_cache[block] = float("nan")
+            batch.v_cache[block] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1, 1], [5, 1, 12, 30]])
+@pytest.mark.parametrize("window", [0, 6, 16])
+def test_triton_sliding_window_matches_torch_and_never_reads_blocks_before_it(new_tokens: list[int], window: int,
+                                                                               dtype: torch.dtype) -> None:
+    context_lens = [14, 3, 25, 70]
+    batch = make_batch(context_lens, num_heads=6, num_kv_heads=2, dtype=dtype, seed=6)
+    if window:
+        poison_blocks_before_windows(batch, new_tokens, window)
+    query = torch.cat([q[-n:] for q, n in zip(batch.queries, new_tokens)])
+    query_lens = torch.tensor(new_tokens, dtype=torch.int32)
+    meta = triton_paged.prepare(batch.block_tables, batch.context_lens, query_lens, BLOCK_SIZE, window)
+    out = triton_paged.attend(query, batch.k_cache, batch.v_cache, meta, 0.2)
+    expected = torch.cat([dense_windowed(batch, seq, n, 0.2, window or 10**6, 0.0)
+                          for seq, n in enumerate(new_tokens)])
+    assert_close(out, expected, dtype)
+    torch_meta = torch_paged.prepare(batch.block_tables, batch.context_lens, query_lens, BLOCK_SIZE, window)
+    assert_close(out, torch_paged.attend(query, batch.k_cache, batch.v_cache, torch_meta, 0.2), dtype)
+
+
+def test_triton_decode_with_a_window_leaves_partitions_before_it_empty() -> None:
+    batch = make_batch([301, 5, 128], num_heads=3, num_kv_heads=1, dtype=torch.float32, seed=7)
+    poison_blocks_before_windows(batch, [1, 1, 1], window=40)
+    query = torch.stack([q[-1] for q in batch.queries])
+    out = triton_paged.paged_attention_decode(query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                              batch.context_lens, 0.3, partition_size=64, window=40)
+    expected = torch.cat([dense_windowed(batch, seq, 1, 0.3, 40, 0.0) for seq in range(3)])
+    assert_close(out, expected, torch.float32)
+
+
+def test_local_and_global_layers_on_the_triton_backend_generate_the_tokens_of_transformers(tmp_path) -> None:
+    """Gemma 3 (sliding-window layers between global ones), every layer on the interpreted Triton kernels."""
+    from ferry import Engine, EngineConfig
+    from tests.conftest import transformers_greedy
+    from tests.test_model_families import GREEDY, MAX_TOKENS, build_tiny_model
+    model_dir, model = build_tiny_model(tmp_path, "gemma3_text")
+    prompts = [[17, 230, 41, 99, 5, 311, 64, 150, 7, 8, 9], [3, 4, 5]]
+    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4,
+                          kv_cache_memory=1 << 20, max_model_len=64, max_num_batched_tokens=8,
+                          attention_backend="triton")
+    results = Engine(config).generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == transformers_greedy(model, prompts, MAX_TOKENS)

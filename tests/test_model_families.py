@@ -2,10 +2,12 @@
 saved by transformers in float32, 4 prompts batched with greedy decoding, a prefix-cache hit and preemption."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MixtralConfig, Phi3Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, MistralConfig,
+                          MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from ferry import Engine, EngineConfig, SamplingParams
 from gpu_worker.model import rope_cos_sin
@@ -21,6 +23,7 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 HEAD_DIM = 16
 
 FAMILIES = {
+    "mistral_windowed": lambda: MistralConfig(head_dim=HEAD_DIM, **COMMON, sliding_window=WINDOW),  # all local
     "qwen3": lambda: Qwen3Config(head_dim=HEAD_DIM, **COMMON),
     "phi3": lambda: Phi3Config(**COMMON, original_max_position_embeddings=64, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
@@ -95,11 +98,84 @@ def test_preempted_requests_finish_with_the_tokens_of_transformers(family, promp
     _, model_dir, model = family
     expected = transformers_greedy(model, prompts, MAX_TOKENS)
     probe = tiny_engine(model_dir)
-    engine = tiny_engine(model_dir, kv_cache_memory=kv_bytes(probe, 14))
-    assert engine.info.num_blocks == 14
+    num_blocks = 12 if probe.info.sliding_window else 14   # blocks before the window freed: a pool that runs dry
+    engine = tiny_engine(model_dir, kv_cache_memory=kv_bytes(probe, num_blocks))
+    assert engine.info.num_blocks == num_blocks
     results = engine.generate(prompts, GREEDY)
     assert engine.stats().num_preemptions > 0
     assert [r.token_ids for r in results] == expected
+
+
+def test_a_sequence_past_the_window_of_every_layer_holds_only_the_blocks_in_it(tmp_path, prompts):
+    """Mistral with a sliding window on every layer: blocks wholly before the window go back to the pool as the
+    sequences decode, and the outputs stay transformers' (the worker never reads a block given back)."""
+    model_dir, model = build_tiny_model(tmp_path, "mistral_windowed")
+    engine = tiny_engine(model_dir)
+    assert engine.info.sliding_window == WINDOW
+    manager = engine.scheduler.block_manager
+    outputs = {str(i): [] for i in range(len(prompts))}
+    for request_id, prompt in zip(outputs, prompts):
+        engine.add_request(request_id, prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        decoding = [s for s in engine.scheduler.running if s.num_computed_tokens > s.num_prompt_tokens]
+        assert all(manager.num_held_blocks(s) <= -(-WINDOW // BLOCK_SIZE) + 1 for s in decoding)
+    assert max(len(p) for p in prompts) + MAX_TOKENS > 4 * WINDOW
+    assert list(outputs.values()) == transformers_greedy(model, prompts, MAX_TOKENS)
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def write_qwen3_gguf(model, model_dir, path) -> None:
+    """The model's float32 tensors under llama.cpp's names and its config and BPE tokenizer as GGUF metadata, as
+    gguf.GGUFWriter writes them (what llama.cpp's converter would produce, unquantized)."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_name("tiny-qwen3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    tokens = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])   # 3: control tokens
+    writer.add_token_merges([" ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3_gguf_file_is_served_token_exact_against_transformers(tmp_path, prompts, monkeypatch):
+    """A GGUF file as --model: dequantized once into the cache (its head size read from the file, which
+    transformers' GGUF config leaves out), then served like the HF directory it was written from."""
+    monkeypatch.setenv("FERRY_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, model = build_tiny_model(tmp_path / "hf", "qwen3")
+    write_qwen3_gguf(model, model_dir, tmp_path / "tiny-qwen3.gguf")
+    engine = tiny_engine(tmp_path / "tiny-qwen3.gguf")
+    assert engine.info.model_path.startswith(str(tmp_path / "cache"))
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == transformers_greedy(model, prompts, MAX_TOKENS)
+    hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert engine.encode("hello world") == hf_tokenizer("hello world", add_special_tokens=False).input_ids
 
 
 def test_longrope_tables_are_transformers_short_and_long_rotations():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker import cpu_linear
 from gpu_worker.model import ModelShape
 from gpu_worker.models.llama import LlamaForCausalLM, MLP
 
@@ -29,9 +30,18 @@ class SparseMoe(nn.Module):
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.experts_down = nn.Parameter(torch.empty(experts, hidden, inner))
+        self.num_experts = experts
         self.top_k = shape.num_experts_per_tok
         self.normalize_top_k = shape.normalize_top_k
         self.round_routing_weights = shape.round_routing_weights
+        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] = []   # on the CPU: oneDNN's layout
+
+    def pack_experts(self) -> None:
+        """Each expert's weights packed once, as cpu_linear packs the dense linears (plain F.linear on CPU is
+        slower per call, and a step calls it twice per expert); the stacked tensors are dropped."""
+        self.packed_experts = [(cpu_linear.pack_weight(gate_up), cpu_linear.pack_weight(down))
+                               for gate_up, down in zip(self.experts_gate_up, self.experts_down)]
+        self.experts_gate_up = self.experts_down = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (softmax over all experts, in float32)."""
@@ -46,7 +56,7 @@ class SparseMoe(nn.Module):
     def forward(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         weights, experts = self.route(hidden)
         order = experts.flatten().argsort(stable=True)        # (token, slot) pairs grouped by expert
-        counts = torch.bincount(experts.flatten(), minlength=self.experts_down.shape[0]).tolist()
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
         weights = weights.flatten()
         out = torch.zeros_like(hidden)
         start = 0
@@ -55,11 +65,14 @@ class SparseMoe(nn.Module):
                 pairs = order[start:start + count]
                 tokens = pairs // self.top_k
                 expert_out = self.run_expert(expert, hidden[tokens], ops) * weights[pairs, None]
-                out.index_add_(0, tokens, expert_out.to(out.dtype))
+                out[tokens] += expert_out.to(out.dtype)   # a token picks an expert once; index_add_ is slow on CPU
                 start += count
         return out
 
     def run_expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.packed_experts:
+            gate_up, down = self.packed_experts[expert]
+            return cpu_linear.packed_linear(ops.silu_mul(cpu_linear.packed_linear(x, gate_up)), down)
         return F.linear(ops.silu_mul(F.linear(x, self.experts_gate_up[expert])), self.experts_down[expert])
 
 
