@@ -4,9 +4,9 @@ and a lock-free latency histogram for Prometheus.
 Configured only by the standard OTEL_* variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
 OTEL_TRACES_SAMPLER, OTEL_BSP_SCHEDULE_DELAY...). With no OTLP endpoint set, tracing is off: `Tracing.enabled`
 is False, the tracer is a no-op and callers skip their tracing work entirely.
-W3C trace context crosses every hop: the submit's trace_context on the Connect stream (router → scheduler; gRPC
-metadata on a direct Scheduler.Generate call) and `traceparent` strings in the worker's StepRequest (scheduler →
-worker, whose step spans link to the requests they served).
+W3C trace context crosses every hop: the submit's trace_context on the Connect stream (router → scheduler) and
+`traceparent` strings in the worker's StepRequest (scheduler → worker, whose step spans link to the requests they
+served).
 """
 from __future__ import annotations
 
