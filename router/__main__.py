@@ -19,33 +19,7 @@ from router.workers import run_workers
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", ""))
-    parser.add_argument("--scheduler", action="append", default=[], metavar="HOST:PORT",
-                        help="a scheduler to use when Redis is unreachable (repeatable)")
-    parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
-    parser.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
-    add_http_args(parser)
-    add_api_key_args(parser)
-    parser.add_argument("--max-concurrent-requests", type=int, default=RouterOptions.max_concurrent_requests,
-                        help="streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
-    parser.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes,
-                        help="largest HTTP body or gRPC message accepted")
-    parser.add_argument("--drain-timeout", type=float, default=RouterOptions.drain_timeout,
-                        help="on SIGTERM, seconds in-flight streams get to finish")
-    add_limit_args(parser)
-    add_retry_args(parser)
-    add_secret_args(parser)
-    add_tls_args(parser, ca_help="CA the schedulers' certificates are checked against; turns TLS to schedulers on "
-                                 "(the router presents --tls-cert to them, for mutual TLS)")
-    parser.add_argument("--tls-server-name", default="",
-                        help="the name schedulers' certificates carry, when it is not the address they register")
-    parser.add_argument("--workers", type=int, default=1,
-                        help="router processes sharing the gRPC and HTTP ports (SO_REUSEPORT); needs fixed ports")
-    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # set on each of --workers
-    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    parser = argument_parser()
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s router %(levelname)s %(message)s")
     if not args.redis_url and not args.scheduler:
@@ -59,6 +33,42 @@ def main() -> int:
             parser.error("--workers needs a fixed --port (each worker binds it)")
         return run_workers(args.workers, sys.argv[1:])
     return asyncio.run(serve(options))
+
+
+# flag, type, the RouterOptions field its default comes from, help
+SERVING_LIMITS = [
+    ("--max-concurrent-requests", int, "max_concurrent_requests",
+     "streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429"),
+    ("--max-request-bytes", int, "max_request_bytes", "largest HTTP body or gRPC message accepted"),
+    ("--drain-timeout", float, "drain_timeout", "on SIGTERM, seconds in-flight streams get to finish"),
+]
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--redis-url", default=os.environ.get("FERRY_REDIS_URL", ""))
+    parser.add_argument("--scheduler", action="append", default=[], metavar="HOST:PORT",
+                        help="a scheduler to use when Redis is unreachable (repeatable)")
+    parser.add_argument("--model-path", default="", help="tokenizer directory for --scheduler fallbacks")
+    parser.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    add_http_args(parser)
+    add_api_key_args(parser)
+    for flag, kind, field, text in SERVING_LIMITS:
+        parser.add_argument(flag, type=kind, default=getattr(RouterOptions, field), help=text)
+    add_limit_args(parser)
+    add_retry_args(parser)
+    add_secret_args(parser)
+    add_tls_args(parser, ca_help="CA the schedulers' certificates are checked against; turns TLS to schedulers on "
+                                 "(the router presents --tls-cert to them, for mutual TLS)")
+    parser.add_argument("--tls-server-name", default="",
+                        help="the name schedulers' certificates carry, when it is not the address they register")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="router processes sharing the gRPC and HTTP ports (SO_REUSEPORT); needs fixed ports")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # set on each of --workers
+    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    return parser
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
