@@ -15,10 +15,6 @@ import pytest
 import yaml
 from kubernetes_validate import validate
 from opentelemetry.sdk import environment_variables as otel_environment_variables
-from prometheus_client.parser import text_string_to_metric_families
-
-from protos import scheduler_pb2
-from scheduler.metrics import StatsCollector
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -257,28 +253,6 @@ def test_prometheus_scrapes_every_ferry_metrics_port():
         metrics_port = args.http_port if module == "router" else args.metrics_port
         assert annotations["prometheus.io/scrape"] == "true"
         assert int(annotations["prometheus.io/port"]) == metrics_port
-
-
-def test_scheduler_metrics_carry_the_names_the_inference_gateway_reads():
-    stats = scheduler_pb2.StatsResponse(num_running=3, num_waiting=2, num_blocks=200, num_free_blocks=50)
-    families = {f.name: f for f in StatsCollector(lambda: stats, "tiny").collect()}
-    for prefix in ("ferry", "vllm"):
-        gauges = {name: families[f"{prefix}:{name}"] for name in
-                  ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
-        assert all(g.type == "gauge" for g in gauges.values())
-        assert gauges["num_requests_running"].samples[0].value == 3
-        assert gauges["num_requests_waiting"].samples[0].value == 2
-        assert gauges["kv_cache_usage_perc"].samples[0].value == 0.75   # a fraction in 0..1, as vLLM's
-
-
-def test_gateway_gauges_survive_the_text_exposition():
-    from scheduler.metrics import SchedulerMetrics
-
-    stats = scheduler_pb2.StatsResponse(num_running=1, num_blocks=10, num_free_blocks=10)
-    text = SchedulerMetrics(lambda: stats, "tiny").exposition().decode()
-    names = {family.name: family.type for family in text_string_to_metric_families(text)}
-    assert {names[n] for n in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                               "vllm:kv_cache_usage_perc")} == {"gauge"}
 
 
 def secret_refs(container: dict) -> dict[str, tuple[str, str, bool]]:
