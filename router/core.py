@@ -18,7 +18,7 @@ from opentelemetry.context import Context
 from base.errors import StatusError
 from base.prompt_checks import check_fits_context, check_token_ids
 from base.sampling_params import SamplingParams
-from protos import common_pb2, router_pb2, scheduler_pb2
+from protos import router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo
 from router.detokenizer import IncrementalDetokenizer
@@ -27,6 +27,7 @@ from router.limits import KeyLimiter, OverLimit
 from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded
 from router.retry import RetryGovernor
+from router.stream_state import SampleState, StreamState
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
 
@@ -37,57 +38,6 @@ class RequestError(StatusError):
     def __init__(self, code: grpc.StatusCode, message: str, retry_after: int = 0):
         super().__init__(code, message)
         self.retry_after = retry_after
-
-
-@dataclass
-class SampleState:
-    detokenizer: IncrementalDetokenizer
-    num_tokens: int = 0
-    finished: bool = False
-
-
-@dataclass
-class StreamState:
-    """What the router tracks for one request while proxying its scheduler's stream."""
-    request_id: str
-    num_prompt_tokens: int
-    samples: list[SampleState]
-    num_cached_tokens: int = 0
-    stream_interval: int = 1   # tokens per response the client asked for
-
-    @property
-    def done(self) -> bool:
-        return all(s.finished for s in self.samples)
-
-    def usage(self) -> common_pb2.Usage:
-        return common_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
-                                completion_tokens=sum(s.num_tokens for s in self.samples),
-                                cached_prompt_tokens=self.num_cached_tokens)
-
-    def on_response(self, upstream: scheduler_pb2.ScheduleResponse) -> router_pb2.GenerateResponse | None:
-        sample = self.samples[upstream.index]
-        if sample.finished:   # already ended by a stop string
-            return None
-        self.num_cached_tokens = max(self.num_cached_tokens, upstream.num_cached_tokens)
-        finish = upstream.finish_reason
-        delta, used = sample.detokenizer.add_until_stop(list(upstream.token_ids),
-                                                        final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
-        sample.num_tokens += used
-        whole = used == len(upstream.token_ids)
-        response = router_pb2.GenerateResponse(request_id=self.request_id, index=upstream.index,
-                                               token_ids=upstream.token_ids if whole else upstream.token_ids[:used],
-                                               text=delta.text,
-                                               logprobs=upstream.logprobs if whole else upstream.logprobs[:used])
-        if delta.stop_string is not None:
-            finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
-        elif upstream.HasField("stop_token_id"):
-            response.stop_reason = str(upstream.stop_token_id)
-        if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
-            response.finish_reason = finish
-            sample.finished = True
-            if self.done:
-                response.usage.CopyFrom(self.usage())
-        return response
 
 
 @dataclass
