@@ -10,38 +10,18 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from base.config import EngineConfig
-from base.prompt_checks import check_fits_context
 from base.sampling_params import SamplingParams
-from protos import common_pb2, scheduler_pb2, worker_pb2
+from protos import scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
+from scheduler.request_checks import check_new_request
+from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
+from scheduler.stats import StepCounters, stats_response
+from scheduler.stopping import finish_reason
 from scheduler.structured_output import StructuredOutputManager
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None        # None | "length" | "stop" | "abort"
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None                # the request failed (finish_reason "abort"): why
-
-
-@dataclass
-class StepCounters:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
 
 
 class Scheduler:
@@ -87,17 +67,8 @@ class Scheduler:
     def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        check_fits_context(len(prompt), params.max_tokens, self.max_model_len)
-        if self.vocab_size and any(t >= self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
-        needed = self.block_manager.blocks_for(len(prompt) + params.max_tokens)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
-                             f"blocks but the pool has only {self.block_manager.num_blocks}: it can never fit")
+        check_new_request(prompt, params, self.max_model_len, self.vocab_size, self.config.max_num_seqs,
+                          self.block_manager)
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         return Sequence(f"{request.request_id}/{index}", request.request_id, index, token_ids,
@@ -273,7 +244,9 @@ class Scheduler:
             output.new_logprobs.append(sampled.logprob)
         if not request.forked:
             self.fork(request, seq)
-        output.finish_reason, output.stop_token_id = self.finish_reason(seq, sampled.token_id)
+        grammar_done = self.structured.is_terminated(seq.seq_id)
+        output.finish_reason, output.stop_token_id = finish_reason(seq, sampled.token_id, self.eos_token_ids,
+                                                                   self.max_model_len, grammar_done)
         if refused:   # never expected: the worker applied this grammar's mask
             output.finish_reason, output.error = "abort", f"token {sampled.token_id} broke the structured output"
         if output.finish_reason:
@@ -294,18 +267,6 @@ class Scheduler:
             request.seqs.append(child)
             self.running.append(child)
         request.forked = True
-
-    def finish_reason(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
-        params = seq.params
-        if token_id in params.stop_token_ids:
-            return "stop", token_id
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop", None
-        if self.structured.is_terminated(seq.seq_id):   # the grammar is complete and took a stop token
-            return "stop", None
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -328,15 +289,4 @@ class Scheduler:
         return self.block_manager.drain_events()
 
     def stats(self) -> scheduler_pb2.StatsResponse:
-        bm = self.block_manager
-        return scheduler_pb2.StatsResponse(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
-            block_size=self.block_size, prefix_cache_queries=bm.counters.queries,
-            prefix_cache_hits=bm.counters.hits, num_preemptions=self.counters.preemptions,
-            num_evictions=bm.counters.evictions,
-            waiting_tokens=sum(s.num_tokens - s.num_computed_tokens - len(bm.match_prefix(s)) * self.block_size
-                               for s in self.waiting),   # net of the prefix cache: the prefill the queue holds
-            running_tokens=sum(s.num_tokens for s in self.running),
-            prompt_tokens_total=self.counters.prompt_tokens, generation_tokens_total=self.counters.generation_tokens,
-            num_steps=self.counters.steps)
+        return stats_response(self)

@@ -1,0 +1,22 @@
+"""What a new request must satisfy before a scheduler queues it: each failure a ValueError the client reads."""
+from __future__ import annotations
+
+from base.prompt_checks import check_fits_context
+from base.sampling_params import SamplingParams
+from scheduler.block_manager import BlockManager
+
+
+def check_new_request(prompt: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                      max_num_seqs: int, block_manager: BlockManager) -> None:
+    """The prompt and its parameters against the model's context and vocabulary, the batch and the KV pool."""
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    check_fits_context(len(prompt), params.max_tokens, max_model_len)
+    if vocab_size and any(t >= vocab_size for t in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size})")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
+    needed = block_manager.blocks_for(len(prompt) + params.max_tokens)
+    if needed > block_manager.num_blocks:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
+                         f"blocks but the pool has only {block_manager.num_blocks}: it can never fit")
