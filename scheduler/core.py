@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
@@ -19,9 +20,18 @@ from scheduler.block_manager import BlockManager
 from scheduler.request_checks import check_new_request
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
-from scheduler.stats import StepCounters, stats_response
+from scheduler.stats import stats_response
 from scheduler.stopping import finish_reason
 from scheduler.structured_output import StructuredOutputManager
+
+
+@dataclass
+class StepCounters:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
 
 
 class Scheduler:
@@ -52,7 +62,8 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.validate(request_id, prompt_token_ids, params)
+        check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
+                          self.config.max_num_seqs, self.block_manager)
         request = Request(request_id, list(prompt_token_ids), params)
         first = self.new_sequence(request, 0, list(prompt_token_ids))
         request.seqs.append(first)
@@ -63,12 +74,6 @@ class Scheduler:
             self.compiling.append(first)
         else:
             self.waiting.append(first)
-
-    def validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        check_new_request(prompt, params, self.max_model_len, self.vocab_size, self.config.max_num_seqs,
-                          self.block_manager)
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         return Sequence(f"{request.request_id}/{index}", request.request_id, index, token_ids,

@@ -1,14 +1,19 @@
 """What a new request must satisfy before a scheduler queues it: each failure a ValueError the client reads."""
 from __future__ import annotations
 
+from collections.abc import Container
+
 from base.prompt_checks import check_fits_context
 from base.sampling_params import SamplingParams
 from scheduler.block_manager import BlockManager
 
 
-def check_new_request(prompt: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
-                      max_num_seqs: int, block_manager: BlockManager) -> None:
-    """The prompt and its parameters against the model's context and vocabulary, the batch and the KV pool."""
+def check_new_request(request_id: str, prompt: list[int], params: SamplingParams, ids_in_use: Container[str],
+                      max_model_len: int, vocab_size: int, max_num_seqs: int, block_manager: BlockManager) -> None:
+    """The id against those in use; the prompt and its parameters against the model's context and vocabulary, the
+    batch and the KV pool."""
+    if request_id in ids_in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")
     if not prompt:
         raise ValueError("prompt must not be empty")
     check_fits_context(len(prompt), params.max_tokens, max_model_len)

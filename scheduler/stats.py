@@ -1,22 +1,12 @@
-"""The scheduler's step counters and the StatsResponse it answers with (gauges and cumulative counters)."""
+"""The StatsResponse a scheduler answers with: its gauges (queues, KV pool) and cumulative counters."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protos import scheduler_pb2
 
 if TYPE_CHECKING:
     from scheduler.core import Scheduler
-
-
-@dataclass
-class StepCounters:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
 
 
 def stats_response(scheduler: Scheduler) -> scheduler_pb2.StatsResponse:
