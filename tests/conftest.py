@@ -1,7 +1,9 @@
 """Shared fixtures: a tiny random Llama with a real (small, locally trained) byte-level BPE tokenizer."""
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
 
 # Triton has no CPU backend: its kernels run under the interpreter here, which must be chosen before triton is
@@ -35,6 +37,19 @@ def transformers_greedy(model, prompts: list[list[int]], num_tokens: int) -> lis
                              do_sample=False)
         outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+def import_interpreted_kernels():
+    """kernels.triton_paged as Triton's interpreter runs it: triton and the module are imported afresh if triton was
+    imported before TRITON_INTERPRET was set (triton.language's jit helpers are built at import)."""
+    import triton.language as tl
+    from kernels import triton_paged
+    if triton_paged._interpreting() and type(tl.max).__name__ == "InterpretedFunction":
+        return triton_paged
+    stale = [name for name in sys.modules if name.split(".")[0] == "triton" and not name.startswith("triton._C")]
+    for name in stale + ["kernels.triton_paged"]:
+        del sys.modules[name]  # the compiled extension stays: loading it twice aborts
+    return importlib.import_module("kernels.triton_paged")
 
 
 def build_tiny_tokenizer(path: Path, vocab_size: int = 512):

@@ -6,10 +6,7 @@ earlier, triton and the kernel module are imported afresh.
 """
 from __future__ import annotations
 
-import importlib
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -20,18 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from kernels import cpu_decode, reference, torch_paged  # noqa: E402
-
-
-def import_interpreted_kernels():
-    import triton.language as tl
-    from kernels import triton_paged
-    if triton_paged._interpreting() and type(tl.max).__name__ == "InterpretedFunction":
-        return triton_paged
-    stale = [name for name in sys.modules if name.split(".")[0] == "triton" and not name.startswith("triton._C")]
-    for name in stale + ["kernels.triton_paged"]:
-        del sys.modules[name]  # the compiled extension stays: loading it twice aborts
-    return importlib.import_module("kernels.triton_paged")
-
+from tests.conftest import import_interpreted_kernels  # noqa: E402
 
 triton_paged = import_interpreted_kernels()
 
@@ -217,48 +203,6 @@ def test_prepare_and_attend_agree_across_backends(new_tokens: list[int]) -> None
         assert_close(out, dense, torch.float32)
 
 
-def test_engine_on_the_triton_backend_generates_the_same_tokens_as_on_torch(tiny_llama_dir, monkeypatch) -> None:
-    """The whole model over the Triton kernels (interpreted): chunked prefill, mixed batches, decode."""
-    from ferry import Engine, EngineConfig, SamplingParams
-    calls = []
-    for name in ("paged_attention_decode", "paged_prefill_attention"):
-        kernel = getattr(triton_paged, name)
-        monkeypatch.setattr(triton_paged, name, lambda *a, kernel=kernel, name=name, **k: calls.append(name)
-                            or kernel(*a, **k))
-    prompts = [[5, 17, 99, 3, 250, 41, 8, 77, 12, 300, 6], [9, 4], [31, 32, 33, 34, 35, 36, 37]]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    results = {}
-    for name, backend in (("triton", "triton"), ("torch", "torch"), ("torch-without-cpp", "torch")):
-        config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4,
-                              kv_cache_memory=1 << 20, max_model_len=64, max_num_batched_tokens=8,
-                              attention_backend=backend)
-        with monkeypatch.context() as patch:
-            if name == "torch-without-cpp":
-                patch.setattr(cpu_decode, "extension", lambda: None)
-            results[name] = [r.token_ids for r in Engine(config).generate(prompts, params)]
-    assert results["triton"] == results["torch"] == results["torch-without-cpp"]
-    assert {"paged_attention_decode", "paged_prefill_attention"} <= set(calls)
-
-
-def test_triton_module_imports_without_triton_installed() -> None:
-    code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels.triton_paged as t\n"
-            "assert not t.HAS_TRITON\n"
-            "try:\n    t.store_kv(None, None, None, None, None)\n"
-            "except RuntimeError as e:\n    print(e)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "torch backend" in result.stdout
-
-
-def test_kernel_benchmark_says_when_there_is_no_gpu(capsys) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the benchmark would run")
-    from benchmarks import kernel_bench
-    assert kernel_bench.main([]) == 0
-    assert "no CUDA device" in capsys.readouterr().out
-
-
 def dense_windowed(batch: PagedBatch, seq: int, num_new: int, scale: float, window: int,
                    softcap: float) -> torch.Tensor:
     """The last num_new positions' outputs, each seeing its last `window` positions, scores softcapped (0: not)."""
@@ -334,17 +278,3 @@ def test_triton_decode_with_a_window_leaves_partitions_before_it_empty() -> None
                                               batch.context_lens, 0.3, partition_size=64, window=40)
     expected = torch.cat([dense_windowed(batch, seq, 1, 0.3, 40, 0.0) for seq in range(3)])
     assert_close(out, expected, torch.float32)
-
-
-def test_local_and_global_layers_on_the_triton_backend_generate_the_tokens_of_transformers(tmp_path) -> None:
-    """Gemma 3 (sliding-window layers between global ones), every layer on the interpreted Triton kernels."""
-    from ferry import Engine, EngineConfig
-    from tests.conftest import transformers_greedy
-    from tests.test_model_families import GREEDY, MAX_TOKENS, build_tiny_model
-    model_dir, model = build_tiny_model(tmp_path, "gemma3_text")
-    prompts = [[17, 230, 41, 99, 5, 311, 64, 150, 7, 8, 9], [3, 4, 5]]
-    config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4,
-                          kv_cache_memory=1 << 20, max_model_len=64, max_num_batched_tokens=8,
-                          attention_backend="triton")
-    results = Engine(config).generate(prompts, GREEDY)
-    assert [r.token_ids for r in results] == transformers_greedy(model, prompts, MAX_TOKENS)
