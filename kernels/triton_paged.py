@@ -250,6 +250,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim), num_warps=1 if head_dim <= 64 else 2)
 
 
+def _partition_buffers(out: torch.Tensor, num_partitions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each partition's fp32 output and log-sum-exp go; a single partition writes `out` itself."""
+    if num_partitions == 1:
+        return out, out
+    num_seqs, num_heads, head_dim = out.shape
+    return (torch.empty(num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=out.device),
+            torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=out.device))
+
+
 def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            partition_size: int = DEFAULT_PARTITION_SIZE,
@@ -272,10 +281,7 @@ def paged_attention_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         max_context_len = block_tables.shape[1] * block_size
     num_partitions = max(1, triton.cdiv(max_context_len, partition_size))
     single = num_partitions == 1
-    part_out = out if single else torch.empty(num_seqs, num_heads, num_partitions, head_dim,
-                                              dtype=torch.float32, device=query.device)
-    part_lse = out if single else torch.empty(num_seqs, num_heads, num_partitions,
-                                              dtype=torch.float32, device=query.device)
+    part_out, part_lse = _partition_buffers(out, num_partitions)
     upcast, precision = _compute_flags(query.dtype)
     block_d = _next_pow2(head_dim, 16)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
