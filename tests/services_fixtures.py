@@ -1,16 +1,21 @@
 """Real service processes for tests: redis-server on a free port, schedulers (each spawning its worker), a router."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import redis
 
 from base.cluster_auth import token_metadata
@@ -20,6 +25,7 @@ from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, sched
 
 HEARTBEAT_TTL_S = 2.0
 KV_CACHE_BYTES = 4_000_000          # a few hundred blocks of the tiny model
+API_KEY = "sk-ferry-test"    # the key the OpenAI API tests' router requires
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
 
 
@@ -231,3 +237,43 @@ def served_alone(stub: scheduler_pb2_grpc.SchedulerStub, prompt_token_ids: list[
     stream.done_sending()
     stream.read_to_the_end()
     return stream
+
+
+@dataclass
+class HttpStack:
+    services: ServiceStack
+    base_url: str
+    model: str
+    grpc_address: str = ""
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
+
+    def post(self, path: str, body: dict | bytes, api_key: str | None = API_KEY,
+             timeout: httpx.Timeout | float = 60) -> httpx.Response:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.base_url + path, content=content, headers=headers, timeout=timeout)
+
+    def generated_tokens(self) -> int:
+        return sum(self.services.scheduler_stats(a).generation_tokens_total for a in self.services.scheduler_addresses)
+
+    def idle(self) -> bool:
+        return self.services.idle()
+
+
+@contextmanager
+def start_http_stack(model_dir: Path) -> Iterator[HttpStack]:
+    """redis-server, one scheduler with its worker, and a router serving gRPC and the OpenAI API over HTTP."""
+    services = start_services(model_dir, num_schedulers=1)
+    try:
+        grpc_port, http_port = free_port(), free_port()
+        services.stack.start([sys.executable, "-m", "router", "--port", str(grpc_port), "--redis-url",
+                              services.redis_url, "--http-port", str(http_port), "--api-key", API_KEY],
+                             "router with HTTP", env=CHILD_ENV)
+        wait_for_health(f"127.0.0.1:{grpc_port}", services.stack, timeout=60)
+        base_url = f"http://127.0.0.1:{http_port}/v1"
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200, "HTTP health")
+        yield HttpStack(services, base_url, model_dir.name, f"127.0.0.1:{grpc_port}")
+    finally:
+        services.stop()
