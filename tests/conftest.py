@@ -1,7 +1,10 @@
-"""Shared fixtures: a tiny random Llama with a real (small, locally trained) byte-level BPE tokenizer."""
+"""Shared fixtures: a tiny random Llama with a real (small, locally trained) byte-level BPE tokenizer; and helpers
+more than one test file uses (transformers' greedy reference, the interpreted Triton kernels, test certificates)."""
 from __future__ import annotations
 
+import datetime
 import importlib
+import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -11,6 +14,12 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from base.tls import TlsConfig
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -92,6 +101,45 @@ def build_tiny_llama(path: Path, *, tie_word_embeddings: bool = False, rope_scal
     return path
 
 
+# --- certificates ------------------------------------------------------------------------------------------
+def new_name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+
+
+def certificate(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(new_name(subject)).issuer_name(new_name(issuer))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = (builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                         ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_pki(directory: Path, name: str) -> TlsConfig:
+    """A CA and a certificate it signed for localhost / 127.0.0.1, serving and client use."""
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = certificate(f"{name} CA", ca_key, f"{name} CA", ca_key, ca=True)
+    cert = certificate("localhost", key, f"{name} CA", ca_key, ca=False)
+    paths = TlsConfig(str(directory / f"{name}.pem"), str(directory / f"{name}-key.pem"),
+                      str(directory / f"{name}-ca.pem"))
+    Path(paths.cert).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    Path(paths.ca).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    write_key(Path(paths.key), key)
+    return paths
+
+
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
@@ -103,3 +151,11 @@ def tiny_llama_tied_dir(tmp_path_factory) -> Path:
                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
                             num_key_value_heads=1, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The tiny byte-level BPE tokenizer alone, for routers in front of synthetic schedulers."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tiny_tokenizer(path)
+    return str(path)

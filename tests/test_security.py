@@ -1,12 +1,8 @@
 """Every hop authenticated, TLS on the ports that leave the host: a real stack (redis-server with a password, a
-scheduler with its worker, a router) with the cluster token, TLS on every TCP port (certificates made here with
-`cryptography`) and per-API-key limits; and the flags' checks on their own."""
+scheduler with its worker, a router) with the cluster token, TLS on every TCP port (certificates made with
+`cryptography` by conftest.make_pki) and per-API-key limits. The pieces on their own: test_security_checks.py."""
 from __future__ import annotations
 
-import asyncio
-import datetime
-import importlib
-import ipaddress
 import os
 import ssl
 import stat
@@ -21,19 +17,12 @@ import httpx
 import openai
 import pytest
 import redis
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from base.cluster_auth import matching_key, token_metadata
+from base.cluster_auth import token_metadata
 from ferry.launcher import free_port
 from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from protos.registry import SchedulerInfo
-from router.discovery import SchedulerDirectory
-from router.limits import KeyLimiter, KeyLimits, OverLimit
-from scheduler.registry import Registry
+from tests.conftest import make_pki
 from tests.services_fixtures import (Secured, ServiceStack, child_pids, greedy, served_alone, start_services,
                                      wait_until)
 
@@ -44,44 +33,6 @@ KEYS = ("sk-e2e", "sk-sdk", "sk-busy", "sk-other", "sk-rate")
 WORKER_ENV = {"FERRY_CPU_KERNELS": "0"}   # what is tested here is the hops: torch ops, no wait on a kernel build
 
 
-# --- certificates ------------------------------------------------------------------------------------------
-def new_name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-
-
-def certificate(subject: str, key, issuer: str, issuer_key, *, ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(new_name(subject)).issuer_name(new_name(issuer))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        builder = (builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                         ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def make_pki(directory: Path, name: str) -> TlsConfig:
-    """A CA and a certificate it signed for localhost / 127.0.0.1, serving and client use."""
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_cert = certificate(f"{name} CA", ca_key, f"{name} CA", ca_key, ca=True)
-    cert = certificate("localhost", key, f"{name} CA", ca_key, ca=False)
-    paths = TlsConfig(str(directory / f"{name}.pem"), str(directory / f"{name}-key.pem"),
-                      str(directory / f"{name}-ca.pem"))
-    Path(paths.cert).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    Path(paths.ca).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    write_key(Path(paths.key), key)
-    return paths
-
-
-# --- the secured stack -------------------------------------------------------------------------------------
 @dataclass
 class SecureStack:
     services: ServiceStack
@@ -252,29 +203,6 @@ def test_a_key_past_its_token_rate_gets_429_with_retry_after_while_another_key_i
     assert int(dict(over_grpc.value.trailing_metadata())["retry-after"]) >= 4
 
 
-def test_key_limiter_counts_streams_and_tokens_per_key():
-    now = [0.0]
-    limiter = KeyLimiter(KeyLimits(max_concurrent=2, tokens_per_minute=60), clock=lambda: now[0])
-    limiter.admit("a")
-    limiter.admit("a")
-    with pytest.raises(OverLimit, match="2 concurrent"):
-        limiter.admit("a")
-    limiter.admit("b")                                    # another key has its own count
-    limiter.charge("a", 70)                               # 10 tokens of debt, repaid at 1 token/s
-    limiter.release("a")
-    with pytest.raises(OverLimit) as over:
-        limiter.admit("a")
-    assert over.value.retry_after == 11
-    now[0] = 11.0
-    limiter.admit("a")
-
-
-def test_an_api_key_matches_only_itself():
-    keys = ["sk-one", "sk-two"]
-    assert matching_key(keys, "sk-two") == "sk-two"
-    assert matching_key(keys, "sk-tw") is None and matching_key(keys, "") is None
-
-
 # --- Redis -------------------------------------------------------------------------------------------------
 def test_redis_refuses_clients_without_the_password_and_the_stack_uses_it(secure):
     with pytest.raises(redis.AuthenticationError):
@@ -282,68 +210,6 @@ def test_redis_refuses_clients_without_the_password_and_the_stack_uses_it(secure
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=secure.services.redis_port, password="wrong").ping()
     assert secure.services.redis().keys("ferry:scheduler:*")   # the scheduler registered with the password
-
-
-def start_tls_redis(pki: TlsConfig, port: int) -> subprocess.Popen:
-    return subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                             "--tls-cert-file", pki.cert, "--tls-key-file", pki.key, "--tls-ca-cert-file", pki.ca,
-                             "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD, "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
-
-
-async def register_and_discover(url: str) -> None:
-    info = SchedulerInfo("sched-tls", "127.0.0.1:1", "tiny", "/models/tiny", 16, 1024, 512)
-    registry, stranger = Registry(url, lambda: info, password=REDIS_PASSWORD), Registry(url, lambda: info)
-    directory = SchedulerDirectory(url, redis_password=REDIS_PASSWORD)
-    try:
-        assert not await stranger.beat()                  # no password: Redis refuses the registration
-        assert await registry.beat()
-        await directory.refresh()
-        assert list(directory.live) == ["sched-tls"]
-    finally:
-        for closing in (registry.close(), stranger.redis.aclose(), directory.close()):
-            await closing
-
-
-def test_a_rediss_url_with_its_ca_and_the_password_reaches_a_tls_redis(tmp_path):
-    pki, port = make_pki(tmp_path, "redis"), free_port()
-    server = start_tls_redis(pki, port)
-    url = f"rediss://127.0.0.1:{port}?ssl_ca_certs={pki.ca}"
-    try:
-        wait_until(lambda: redis_answers(url), "TLS Redis up")
-        asyncio.run(register_and_discover(url))
-    finally:
-        server.kill()
-        server.wait()
-
-
-def redis_answers(url: str) -> bool:
-    try:
-        return redis.Redis.from_url(url, password=REDIS_PASSWORD).ping()
-    except redis.ConnectionError:
-        return False
-
-
-# --- flags -------------------------------------------------------------------------------------------------
-def run_main(module: str, flags: list[str], monkeypatch) -> int:
-    """`python -m module *flags` up to its exit, in this process."""
-    main = importlib.import_module(f"{module}.__main__").main
-    monkeypatch.setattr(sys, "argv", [module, *flags])
-    with pytest.raises(SystemExit) as exited:
-        main()
-    return exited.value.code
-
-
-def test_bad_tls_and_secret_flags_are_refused_with_a_clear_error(tmp_path, monkeypatch, capsys):
-    pki = make_pki(tmp_path, "flags")
-    cases = {("scheduler", "--tls-cert", pki.cert): "--tls-cert and --tls-key go together",
-             ("scheduler", "--tls-ca", pki.ca): "--tls-ca needs --tls-cert",
-             ("scheduler", "--tls-cert", pki.cert, "--tls-key", pki.ca): "not a matching PEM certificate and key",
-             ("router", "--redis-url", "redis://x", "--tls-ca", str(tmp_path / "missing.pem")): "no such file",
-             ("router", "--redis-url", "redis://x", "--cluster-token-file", str(tmp_path / "none")): "cannot read"}
-    for (module, *flags), message in cases.items():
-        assert run_main(module, flags, monkeypatch) == 2
-        assert message in capsys.readouterr().err, flags
 
 
 def test_ferry_generate_reaches_a_tls_router_with_its_ca(secure):
