@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from base.config import EngineConfig
-from base.sampling_params import SamplingParams
+from benchmarks.roofline import start_decoding
 from ferry.engine import Engine
 
 
@@ -81,14 +81,7 @@ def decoding_engine(model_dir: Path, dtype: str, batch: int, prompt_len: int, st
     """An engine whose `batch` sequences have all been prefilled and decode from the next step on."""
     engine = Engine(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu", max_num_seqs=batch,
                                  max_model_len=prompt_len + steps + 8))
-    generator = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        prompt = torch.randint(3, engine.info.vocab_size, (prompt_len,), generator=generator).tolist()
-        engine.add_request(f"moe-{i}", prompt, params)
-    while engine.stats().num_waiting or engine.stats().num_running < batch:
-        engine.step()
-    engine.step()   # the first decode step, after the last prefill
+    start_decoding(engine, batch, prompt_len, steps, "moe", lowest_token_id=3)
     return engine
 
 

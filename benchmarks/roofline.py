@@ -60,17 +60,23 @@ def decode_step_gflop(model, shape: ModelShape, batch: int, context: int) -> flo
     return (2 * linear_parameters(model) * batch + attention) / 1e9
 
 
-def measure(model_dir: str, dtype: str = "auto", batch: int = 32, prompt_len: int = 128, steps: int = 32,
-            matmul_size: int = 4096) -> Roofline:
-    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, device="cpu", max_num_seqs=batch))
+def start_decoding(engine: Engine, batch: int, prompt_len: int, steps: int, name: str, lowest_token_id: int) -> None:
+    """Adds `batch` random prompts (seeded, token ids from lowest_token_id up) that decode `steps` tokens and more,
+    and steps the engine until all are prefilled and the first decode step has run."""
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        prompt = torch.randint(100, engine.info.vocab_size, (prompt_len,), generator=generator).tolist()
-        engine.add_request(f"roofline-{i}", prompt, params)
+        prompt = torch.randint(lowest_token_id, engine.info.vocab_size, (prompt_len,), generator=generator).tolist()
+        engine.add_request(f"{name}-{i}", prompt, params)
     while engine.stats().num_waiting or engine.stats().num_running < batch:
         engine.step()
     engine.step()   # the first decode step, after the last prefill
+
+
+def measure(model_dir: str, dtype: str = "auto", batch: int = 32, prompt_len: int = 128, steps: int = 32,
+            matmul_size: int = 4096) -> Roofline:
+    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, device="cpu", max_num_seqs=batch))
+    start_decoding(engine, batch, prompt_len, steps, "roofline", lowest_token_id=100)
     durations = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -5,22 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
 from protos import common_pb2, router_pb2, scheduler_pb2_grpc
 from router.core import Router
 from router.discovery import SchedulerDirectory
-from tests.conftest import build_tiny_tokenizer
 
 NUM_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tiny_tokenizer(path)
-    return str(path)
 
 
 async def stream(tokenizer_dir: str, stream_interval: int = 0, read_delay: float = 0.0,

@@ -10,22 +10,13 @@ import time
 
 import grpc
 import httpx
-import pytest
 
 from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
 from ferry.launcher import free_port
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from router.workers import children_of, worker_argv
-from tests.conftest import build_tiny_tokenizer
 
 NUM_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    build_tiny_tokenizer(path)
-    return str(path)
 
 
 class SchedulerThread:
