@@ -55,6 +55,11 @@ class ServiceStack:
         return scheduler_pb2_grpc.SchedulerStub(self.channel(address)).Stats(
             scheduler_pb2.StatsRequest(), timeout=5, metadata=token_metadata(self.cluster_token))
 
+    def pids(self) -> list[int]:
+        """Router, schedulers and their workers."""
+        own = [p.pid for p in self.stack.processes if p.args[0] != "redis-server"]
+        return own + [c for p in self.schedulers for c in child_pids(p.pid)]
+
     def idle(self) -> bool:
         """No request running or waiting on any scheduler and every block free (cached-free blocks count)."""
         for address in self.scheduler_addresses:

@@ -1,12 +1,8 @@
-"""Overload, limits, deadlines, hostile input and graceful shutdown, against real processes."""
+"""Overload, limits, deadlines and hostile input, against real processes."""
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,12 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ferry.launcher import Stack as LauncherStack
-from ferry.launcher import free_port, wait_for_health
+from ferry.launcher import free_port
 from base.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from protos import common_pb2, router_pb2, scheduler_pb2_grpc
-from tests.services_fixtures import (CHILD_ENV, ConnectStream, ServiceStack, child_pids, collect, greedy,
-                                     indexed_blocks, served_alone, start_services, wait_until)
+from protos import common_pb2, router_pb2
+from tests.services_fixtures import ServiceStack, collect, greedy, start_services, wait_until
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
@@ -44,9 +38,7 @@ class Stack:
         return self.services.idle()
 
     def pids(self) -> list[int]:
-        """Router, schedulers and their workers."""
-        own = [p.pid for p in self.services.stack.processes if p.args[0] != "redis-server"]
-        return own + [c for p in self.services.schedulers for c in child_pids(p.pid)]
+        return self.services.pids()
 
 
 def rss_bytes(pid: int) -> int:
@@ -245,162 +237,3 @@ def test_fuzzed_grpc_requests_never_get_internal_or_unknown(stack, prompt, sampl
         assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (e.code(),
                                                                                                     e.details())
         assert e.details()
-
-
-# --- graceful shutdown -------------------------------------------------------------------------------------
-def start_scheduler(model_dir, redis_url: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    port, alone = free_port(), LauncherStack()
-    process = alone.start([sys.executable, "-m", "scheduler", "--model", str(model_dir), "--dtype", "float32",
-                           "--kv-cache-memory", "4000000", "--port", str(port), "--redis-url", redis_url,
-                           "--scheduler-id", f"drain-{port}", "--heartbeat-ttl", "30", *flags], "scheduler",
-                          env=CHILD_ENV)
-    wait_for_health(f"127.0.0.1:{port}", alone, timeout=180)
-    return process, f"127.0.0.1:{port}"
-
-
-def scheduler_keys(redis, scheduler_id: str) -> list[bytes]:
-    return indexed_blocks(redis, scheduler_id) + list(redis.scan_iter(match=f"ferry:scheduler:{scheduler_id}"))
-
-
-def test_sigterm_drains_in_flight_requests_deregisters_and_exits_zero(stack, tiny_llama_dir):
-    process, address = start_scheduler(tiny_llama_dir, stack.services.redis_url)
-    scheduler_id = f"drain-{address.rsplit(':', 1)[1]}"
-    redis = stack.services.redis()
-    try:
-        stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(address))
-        served_alone(stub, list(range(5, 69)), greedy(1))
-        wait_until(lambda: len(scheduler_keys(redis, scheduler_id)) > 1, "registered with prefix blocks")
-        stream = ConnectStream(stub)
-        stream.submit("long", [5, 6, 7], greedy(LONG, ignore_eos=True))
-        stream.read_until(lambda: stream.outputs["long"])
-        process.send_signal(signal.SIGTERM)
-        wait_until(lambda: not scheduler_keys(redis, scheduler_id), "deregistered and prefix entries withdrawn")
-        connected = ConnectStream(stub)
-        connected.submit("while-draining", [5, 6], greedy(2))
-        connected.read_until(lambda: connected.done("while-draining"))
-        assert connected.errors["while-draining"].code == grpc.StatusCode.UNAVAILABLE.value[0]
-        connected.cancel()
-        stream.read_until(lambda: stream.done("long"))
-        assert len(stream.tokens("long")) == LONG and not stream.errors   # finished, not cut off
-        stream.cancel()
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-
-
-def test_sigterm_fails_what_outlasts_the_drain_timeout_with_unavailable(stack, tiny_llama_dir):
-    process, address = start_scheduler(tiny_llama_dir, stack.services.redis_url, "--drain-timeout", "0.5")
-    try:
-        stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(address))
-        connected = ConnectStream(stub)
-        connected.submit("connected", [5, 6, 8], greedy(1000, ignore_eos=True))
-        connected.read_until(lambda: connected.outputs["connected"])
-        worker = child_pids(process.pid)[0]
-        process.send_signal(signal.SIGTERM)
-        connected.read_until(lambda: connected.done("connected"))
-        failure = connected.errors["connected"]
-        assert failure.code == grpc.StatusCode.UNAVAILABLE.value[0] and "drain timeout" in failure.message
-        connected.cancel()
-        assert process.wait(timeout=30) == 0
-        wait_until(lambda: not os.path.exists(f"/proc/{worker}"), "the worker exited with its scheduler")
-    finally:
-        if process.poll() is None:
-            process.kill()
-
-
-# --- soak --------------------------------------------------------------------------------------------------
-SOAK_PROMPTS = [f"Soak prompt {i}: the quick brown fox jumps over the lazy dog" for i in range(8)]
-SOAK_MAX_TOKENS = 24
-SOAK_REQUESTS = 300
-INVALID_SAMPLING = [{"top_p": 0.0}, {"n": MAX_SAMPLES + 1}, {"temperature": -1.0}, {"stop": [""]},
-                    {"max_tokens": 5000}, {"logprobs": 99}, {"repetition_penalty": 0.0}]
-# what a valid request may end with besides its tokens, and why: a killed worker, a full queue, its own
-# deadline, its own cancellation
-ALLOWED_FAILURES = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED"}
-
-
-@dataclass
-class SoakCase:
-    prompt: int
-    sampling: common_pb2.SamplingParams
-    valid: bool
-    greedy: bool
-    timeout: float | None
-    cancel_after_first: bool
-
-
-def soak_case(rng) -> SoakCase:
-    max_tokens = rng.randint(1, SOAK_MAX_TOKENS)
-    if rng.random() < 0.15:
-        prompt = rng.randrange(len(SOAK_PROMPTS))
-        invalid = common_pb2.SamplingParams(**{"max_tokens": 4, **rng.choice(INVALID_SAMPLING)})
-        return SoakCase(prompt, invalid, False, False, None, False)
-    is_greedy = rng.random() < 0.6
-    sampling = (greedy(max_tokens, ignore_eos=True) if is_greedy else
-                common_pb2.SamplingParams(max_tokens=max_tokens, temperature=rng.uniform(0.5, 1.5),
-                                          top_p=rng.uniform(0.5, 1.0), seed=rng.randrange(1000), ignore_eos=True,
-                                          n=rng.choice([1, 1, 2])))
-    timeout = rng.choice([None] * 6 + [0.05, 1.0])
-    return SoakCase(rng.randrange(len(SOAK_PROMPTS)), sampling, True, is_greedy, timeout, rng.random() < 0.1)
-
-
-def run_soak_case(services: ServiceStack, case: SoakCase) -> tuple[str, list[int], str]:
-    call = services.router().Generate(router_pb2.GenerateRequest(text=SOAK_PROMPTS[case.prompt],
-                                                                 sampling=case.sampling),
-                                      timeout=case.timeout or 60)
-    tokens: list[int] = []
-    try:
-        for message in call:
-            tokens += message.token_ids
-            if case.cancel_after_first:
-                call.cancel()
-        return "OK", tokens, ""
-    except grpc.RpcError as e:
-        return e.code().name, tokens, e.details() or ""
-
-
-def test_soak_with_a_killed_worker_and_a_redis_restart_loses_and_leaks_nothing(tiny_llama_dir):
-    import random
-
-    from base.config import EngineConfig
-    from ferry.engine import Engine
-
-    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
-    expected = [r.token_ids for r in engine.generate(SOAK_PROMPTS, SamplingParams(
-        max_tokens=SOAK_MAX_TOKENS, temperature=0.0, ignore_eos=True))]
-    rng = random.Random(1234)
-    cases = [soak_case(rng) for _ in range(SOAK_REQUESTS)]
-    services = start_services(tiny_llama_dir)
-    try:
-        workers_before = {p.pid: child_pids(p.pid) for p in services.schedulers}
-        with ThreadPoolExecutor(12) as pool:
-            futures = [pool.submit(run_soak_case, services, case) for case in cases]
-            futures[SOAK_REQUESTS // 3].result()
-            os.kill(workers_before[services.schedulers[1].pid][0], signal.SIGKILL)
-            futures[2 * SOAK_REQUESTS // 3].result()
-            services.restart_redis(lambda: futures[3 * SOAK_REQUESTS // 4].result())
-            results = [f.result() for f in futures]
-        for case, (status, tokens, details) in zip(cases, results):
-            if not case.valid:
-                assert status == "INVALID_ARGUMENT" and details, (case, status)
-            elif status != "OK":
-                assert status in ALLOWED_FAILURES and (details or status == "CANCELLED"), (case, status, details)
-            elif case.cancel_after_first:
-                assert tokens
-            elif case.greedy:
-                assert tokens == expected[case.prompt][:case.sampling.max_tokens], case
-            else:
-                assert len(tokens) == case.sampling.max_tokens * max(1, case.sampling.n), case
-        statuses = [status for status, _, _ in results]
-        print("soak outcomes:", {s: statuses.count(s) for s in set(statuses)})
-        assert statuses.count("OK") > SOAK_REQUESTS // 3, {s: statuses.count(s) for s in set(statuses)}
-        wait_until(services.idle, "every pool back to all-free (cached blocks count as free)",
-                   timeout=30)
-        for scheduler in services.schedulers:          # one live worker each, the killed one reaped
-            assert scheduler.poll() is None and len(child_pids(scheduler.pid)) == 1
-        pids = Stack(services, "").pids()
-    finally:
-        services.stop()
-    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), "no process left behind",
-               timeout=10)
