@@ -24,14 +24,23 @@ def build(name: str, source: str, extra_cflags: list[str]) -> ModuleType | None:
     # the build runs ninja, which pip installs beside this interpreter when the system has none
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-        with build_lock(Path(_get_build_directory(name, verbose=False))):
+        from torch.utils.cpp_extension import load
+        directory = build_directory(name)
+        with build_lock(directory):
             flags = ["-O3", "-march=native", *extra_cflags, f"-DFERRY_HEADERS_DIGEST={headers_digest(SOURCES)}"]
             return load(name=name, sources=[str(SOURCES / source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                        verbose=False)
+                        build_directory=str(directory), verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernel %s unavailable, using torch ops: %s", name, error)
         return None
+
+
+def build_directory(name: str) -> Path:
+    """torch's build folder for name, one below it per checkout: ninja's build file names the sources by path, so
+    two checkouts (worktrees, a CI clone) sharing one folder would rebuild each other's extension at every start."""
+    from torch.utils.cpp_extension import _get_build_directory
+    checkout = hashlib.sha256(str(SOURCES.resolve()).encode()).hexdigest()[:12]
+    return Path(_get_build_directory(name, verbose=False)) / checkout
 
 
 def headers_digest(directory: Path) -> str:

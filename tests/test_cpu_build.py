@@ -81,3 +81,15 @@ def test_editing_a_shared_header_changes_what_torch_keys_the_cached_build_on(tmp
     first, unchanged, edited = (call["extra_cflags"] for call in calls)
     assert first == unchanged
     assert first != edited
+
+
+def test_two_checkouts_build_in_folders_of_their_own(tmp_path, monkeypatch):
+    """ninja's build file names the sources by path: one shared folder would make a worktree and a CI clone rebuild
+    each other's extension at every worker start."""
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build" / name))
+    folders = []
+    for checkout in ("one", "two", "one"):
+        monkeypatch.setattr(cpu_build, "SOURCES", tmp_path / checkout / "kernels" / "csrc")
+        folders.append(cpu_build.build_directory("ferry_test_kernel"))
+    assert folders[0] == folders[2] != folders[1]
+    assert all(folder.parent == tmp_path / "build" / "ferry_test_kernel" for folder in folders)

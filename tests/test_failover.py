@@ -245,7 +245,8 @@ def test_poisoned_request_is_retried_at_most_the_budget_and_breakers_open_and_cl
         open_ids = [sid for sid, state in states.items() if state == 1]
         routed_before = {sid: cluster.metric("ferry:router_requests_routed_total", scheduler_id=sid)
                          for sid in open_ids}
-        assert all(run_http(cluster, i, 4).ok for i in range(3))
+        outcomes = [run_http(cluster, i, 4) for i in range(3)]
+        assert all(o.ok for o in outcomes), outcomes
         if cluster.metric("ferry:router_breaker_trips_total") == 2 and set(
                 cluster.breaker_states()[sid] for sid in open_ids) == {1}:   # still cooling down: skipped
             assert {sid: cluster.metric("ferry:router_requests_routed_total", scheduler_id=sid)
