@@ -42,7 +42,11 @@ def start_scheduler(model_dir, redis_url: str, *flags: str) -> tuple[subprocess.
                            "--kv-cache-memory", "4000000", "--port", str(port), "--redis-url", redis_url,
                            "--scheduler-id", f"drain-{port}", "--heartbeat-ttl", "30", *flags], "scheduler",
                           env=CHILD_ENV)
-    wait_for_health(f"127.0.0.1:{port}", alone, timeout=180)
+    try:
+        wait_for_health(f"127.0.0.1:{port}", alone, timeout=180)
+    except BaseException:
+        alone.stop()   # a scheduler that never got healthy must not outlive the test
+        raise
     return process, f"127.0.0.1:{port}"
 
 
