@@ -88,6 +88,7 @@ class StructuredOutputManager:
         self.grammars: dict[str, Any] = {}          # request id -> xgrammar.CompiledGrammar
         self.json_requests: set[str] = set()
         self.matchers: dict[str, Any] = {}          # seq id -> xgrammar.GrammarMatcher
+        self.json_seqs: set[str] = set()            # seq ids whose matcher is a JSON grammar
 
     def submit(self, request_id: str, constraint: StructuredOutput) -> None:
         self.compiling[request_id] = self.compilation.submit(constraint)
@@ -116,6 +117,8 @@ class StructuredOutputManager:
         for token_id in token_ids:
             matcher.accept_token(token_id)
         self.matchers[seq_id] = matcher
+        if request_id in self.json_requests:
+            self.json_seqs.add(seq_id)
 
     def constrains(self, seq_id: str) -> bool:
         return seq_id in self.matchers
@@ -139,7 +142,7 @@ class StructuredOutputManager:
             self.matchers[seq_id].fill_next_token_bitmask(masks, row)
         rows = masks.numpy()
         for row, seq_id in enumerate(seq_ids):
-            if seq_id.rpartition("/")[0] in self.json_requests:
+            if seq_id in self.json_seqs:
                 # xgrammar 0.2.8 lets a length-bounded JSON string (maxLength) hold raw control characters,
                 # which JSON forbids; compact JSON needs none outside strings either
                 rows[row] &= self.compilation.no_control_chars
@@ -153,3 +156,4 @@ class StructuredOutputManager:
         self.json_requests.discard(request_id)
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
+            self.json_seqs.discard(seq_id)
