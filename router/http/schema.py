@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protos import common_pb2, router_pb2
+from router.http.constraints import ResponseFormat, StructuredOutputs, add_constraints
 
 UINT32_MAX = 2**32 - 1
 INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -46,8 +47,14 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: UINT32 | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> added to its logit
+    min_tokens: UINT32 | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None   # vLLM's; guided_* are its older names
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
     stream_interval: UINT32 | None = None   # tokens per streamed chunk (a Ferry extension; vLLM has it per server)
 
@@ -61,10 +68,6 @@ class SamplingRequest(BaseModel):
 
     def unsupported_common(self) -> tuple[str, str] | None:
         """(param, reason) for what this server cannot honour, rather than silently ignoring it."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "structured output (response_format) is not supported"
         if self.tools:
             return "tools", "tool calling is not supported"
         return None
@@ -82,6 +85,7 @@ class SamplingRequest(BaseModel):
             params.max_tokens = max_tokens
         if logprobs is not None:
             params.logprobs = logprobs
+        add_constraints(params, self)
         return params
 
 
