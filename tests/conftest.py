@@ -49,14 +49,16 @@ def transformers_greedy(model, prompts: list[list[int]], num_tokens: int) -> lis
 
 
 def import_interpreted_kernels():
-    """kernels.triton_paged as Triton's interpreter runs it: triton and the module are imported afresh if triton was
-    imported before TRITON_INTERPRET was set (triton.language's jit helpers are built at import)."""
+    """kernels.triton_paged as Triton's interpreter runs it: triton and every kernels.triton_* module are imported
+    afresh if triton was imported before TRITON_INTERPRET was set (jit functions, triton.language's own too, are
+    built at import; a sibling module left in place would keep its compiled kernels)."""
     import triton.language as tl
-    from kernels import triton_paged
-    if triton_paged._interpreting() and type(tl.max).__name__ == "InterpretedFunction":
-        return triton_paged
+    from kernels import triton_launch
+    if triton_launch.interpreting() and type(tl.max).__name__ == "InterpretedFunction":
+        return importlib.import_module("kernels.triton_paged")
     stale = [name for name in sys.modules if name.split(".")[0] == "triton" and not name.startswith("triton._C")]
-    for name in stale + ["kernels.triton_paged"]:
+    stale += [name for name in sys.modules if name.startswith("kernels.triton_")]
+    for name in stale:
         del sys.modules[name]  # the compiled extension stays: loading it twice aborts
     return importlib.import_module("kernels.triton_paged")
 

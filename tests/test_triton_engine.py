@@ -52,6 +52,25 @@ def test_triton_module_imports_without_triton_installed() -> None:
     assert "torch backend" in result.stdout
 
 
+def test_kernels_imported_before_the_interpreter_was_chosen_run_interpreted_after_reimport() -> None:
+    """Every kernels.triton_* module is imported afresh, not only the backend's: a sibling left compiled would
+    fail on the CPU."""
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+            "import torch, kernels.triton_paged\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from tests.conftest import import_interpreted_kernels\n"
+            "t = import_interpreted_kernels()\n"
+            "cache = torch.randn(2, 4, 1, 16)\n"
+            "out = t.paged_attention_decode(torch.randn(1, 2, 16), cache, cache.clone(),\n"
+            "                               torch.tensor([[1, 0]], dtype=torch.int32),\n"
+            "                               torch.tensor([6], dtype=torch.int32), 0.25)\n"
+            "print(tuple(out.shape), bool(out.isfinite().all()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "(1, 2, 16) True"
+
+
 def test_kernel_benchmark_says_when_there_is_no_gpu(capsys) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run")
