@@ -2,6 +2,7 @@
 tokens are grouped by expert so that every expert runs once, on all its tokens, per step."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from gpu_worker import cpu_linear
 from gpu_worker.model import ModelShape
 from gpu_worker.models.llama import LlamaForCausalLM, MLP
+from kernels import cpu_moe
 
 
 @dataclass
@@ -34,13 +36,21 @@ class SparseMoe(nn.Module):
         self.top_k = shape.num_experts_per_tok
         self.normalize_top_k = shape.normalize_top_k
         self.round_routing_weights = shape.round_routing_weights
-        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] = []   # on the CPU: oneDNN's layout
+        self.packed_experts: list[tuple[torch.Tensor, torch.Tensor]] = []   # on the CPU in bf16: oneDNN's layout
+        self.cpu_kernel = None                                              # on the CPU in fp32: kernels/cpu_moe
+        self.grouped_weights: tuple[torch.Tensor, torch.Tensor] = ()
 
     def pack_experts(self) -> None:
-        """Each expert's weights packed once, as cpu_linear packs the dense linears (plain F.linear on CPU is
-        slower per call, and a step calls it twice per expert); the stacked tensors are dropped."""
-        self.packed_experts = [(cpu_linear.pack_weight(gate_up), cpu_linear.pack_weight(down))
-                               for gate_up, down in zip(self.experts_gate_up, self.experts_down)]
+        """The weights packed once for the CPU, and the stacked tensors dropped: for kernels/cpu_moe's grouped
+        linear (all experts in one call) where it takes them, else per expert for oneDNN, as cpu_linear packs the
+        dense linears (plain F.linear on CPU is slower per call, and a step calls it twice per expert)."""
+        if cpu_moe.supports(self.experts_gate_up) and cpu_moe.supports(self.experts_down):
+            self.cpu_kernel = cpu_moe.extension()
+        if self.cpu_kernel is not None:
+            self.grouped_weights = (cpu_moe.pack(self.experts_gate_up), cpu_moe.pack(self.experts_down))
+        else:
+            self.packed_experts = [(cpu_linear.pack_weight(gate_up), cpu_linear.pack_weight(down))
+                                   for gate_up, down in zip(self.experts_gate_up, self.experts_down)]
         self.experts_gate_up = self.experts_down = None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,25 +65,45 @@ class SparseMoe(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         weights, experts = self.route(hidden)
-        order = experts.flatten().argsort(stable=True)        # (token, slot) pairs grouped by expert
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
-        weights = weights.flatten()
-        out = torch.zeros_like(hidden)
-        start = 0
-        for expert, count in enumerate(counts):   # experts in order: each token's outputs add up as transformers'
-            if count:
-                pairs = order[start:start + count]
-                tokens = pairs // self.top_k
-                expert_out = self.run_expert(expert, hidden[tokens], ops) * weights[pairs, None]
-                out[tokens] += expert_out.to(out.dtype)   # a token picks an expert once; index_add_ is slow on CPU
-                start += count
+        if self.cpu_kernel is not None:
+            per_slot = self.run_grouped(hidden, weights, experts, ops)
+        else:
+            per_slot = self.run_per_expert(hidden, weights, experts, ops)
+        out = per_slot[:, 0] + per_slot[:, 1] if self.top_k > 1 else per_slot[:, 0].clone()
+        for slot in range(2, self.top_k):   # a token's outputs add up in expert order, as transformers'
+            out += per_slot[:, slot]
         return out
 
-    def run_expert(self, expert: int, x: torch.Tensor, ops) -> torch.Tensor:
+    def run_grouped(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, ops) -> torch.Tensor:
+        """Each token's weighted expert outputs [T, k, hidden], its experts in ascending order: kernels/cpu_moe."""
+        source, scale, destination, counts = self.cpu_kernel.group_by_expert(experts, weights.float(),
+                                                                             self.num_experts)
+        gate_up, down = self.grouped_weights
+        activated = ops.silu_mul(self.cpu_kernel.grouped_linear(hidden, counts, gate_up, source=source))
+        out = self.cpu_kernel.grouped_linear(activated, counts, down, scale=scale, destination=destination)
+        return out.view(-1, self.top_k, hidden.shape[-1])
+
+    def run_per_expert(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                       ops) -> torch.Tensor:
+        """As run_grouped, in torch ops: one pair of linears per expert that has tokens."""
+        experts, slot_order = experts.sort(dim=-1)
+        weights = weights.gather(-1, slot_order)
+        order = experts.flatten().argsort(stable=True)        # (token, slot) pairs grouped by expert
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
+        ranges = [(expert, start, start + count) for expert, (start, count)
+                  in enumerate(zip(itertools.accumulate([0] + counts), counts)) if count]
+        grouped = hidden[order // self.top_k]
+        gate_up = torch.cat([self.expert_linear(grouped[start:end], expert, 0) for expert, start, end in ranges])
+        activated = ops.silu_mul(gate_up)
+        out = torch.cat([self.expert_linear(activated[start:end], expert, 1) for expert, start, end in ranges])
+        out = out * weights.flatten()[order, None]
+        return out[order.argsort()].to(hidden.dtype).view(-1, self.top_k, hidden.shape[-1])
+
+    def expert_linear(self, x: torch.Tensor, expert: int, which: int) -> torch.Tensor:
+        """which 0: the expert's gate_up projection, 1: its down projection."""
         if self.packed_experts:
-            gate_up, down = self.packed_experts[expert]
-            return cpu_linear.packed_linear(ops.silu_mul(cpu_linear.packed_linear(x, gate_up)), down)
-        return F.linear(ops.silu_mul(F.linear(x, self.experts_gate_up[expert])), self.experts_down[expert])
+            return cpu_linear.packed_linear(x, self.packed_experts[expert][which])
+        return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
 
 
 class MoeForCausalLM(LlamaForCausalLM):
