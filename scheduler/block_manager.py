@@ -56,6 +56,13 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
 
+    def most_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one sequence of num_tokens holds at once: all of them, or under a sliding window only
+        those its window and one step's tokens reach (+1: a window seldom starts on a block's first slot)."""
+        if not self.sliding_window:
+            return self.blocks_for(num_tokens)
+        return min(self.blocks_for(num_tokens), self.blocks_for(self.sliding_window + max_step_tokens) + 1)
+
     def usage(self) -> float:
         return kv_usage(self.num_free_blocks, self.num_blocks)
 

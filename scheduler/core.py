@@ -63,7 +63,7 @@ class Scheduler:
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
-                          self.config.max_num_seqs, self.block_manager)
+                          self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
         request = Request(request_id, list(prompt_token_ids), params)
         first = self.new_sequence(request, 0, list(prompt_token_ids))
         request.seqs.append(first)

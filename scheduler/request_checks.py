@@ -9,7 +9,8 @@ from scheduler.block_manager import BlockManager
 
 
 def check_new_request(request_id: str, prompt: list[int], params: SamplingParams, ids_in_use: Container[str],
-                      max_model_len: int, vocab_size: int, max_num_seqs: int, block_manager: BlockManager) -> None:
+                      max_model_len: int, vocab_size: int, max_num_seqs: int, max_step_tokens: int,
+                      block_manager: BlockManager) -> None:
     """The id against those in use; the prompt and its parameters against the model's context and vocabulary, the
     batch and the KV pool."""
     if request_id in ids_in_use:
@@ -21,7 +22,7 @@ def check_new_request(request_id: str, prompt: list[int], params: SamplingParams
         raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size})")
     if params.n > max_num_seqs:
         raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
-    needed = block_manager.blocks_for(len(prompt) + params.max_tokens)
+    needed = block_manager.most_blocks_held(len(prompt) + params.max_tokens, max_step_tokens)
     if needed > block_manager.num_blocks:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) needs {needed} KV "
                          f"blocks but the pool has only {block_manager.num_blocks}: it can never fit")

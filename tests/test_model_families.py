@@ -126,6 +126,21 @@ def test_a_sequence_past_the_window_of_every_layer_holds_only_the_blocks_in_it(t
     assert manager.num_free_blocks == manager.num_blocks
 
 
+def test_a_windowed_request_longer_than_the_pool_is_taken_and_served_exactly(tmp_path, prompts):
+    """Every layer local: a sequence only ever holds the blocks its window and one step reach, so a request whose
+    prompt + max_tokens would not fit in the whole pool is still taken, and its output is transformers'."""
+    model_dir, model = build_tiny_model(tmp_path, "mistral_windowed")
+    engine = tiny_engine(model_dir, kv_cache_memory=kv_bytes(tiny_engine(model_dir), 6), max_num_batched_tokens=8)
+    manager, prompt = engine.scheduler.block_manager, prompts[-1]
+    assert manager.num_blocks == 6 and manager.blocks_for(len(prompt) + MAX_TOKENS) > 6
+    engine.add_request("long", prompt, GREEDY)
+    output = []
+    while engine.has_unfinished_requests():
+        output += [t for out in engine.step() for t in out.new_token_ids]
+    assert [output] == transformers_greedy(model, [prompt], MAX_TOKENS)
+    assert manager.num_free_blocks == manager.num_blocks
+
+
 def write_qwen3_gguf(model, model_dir, path) -> None:
     """The model's float32 tensors under llama.cpp's names and its config and BPE tokenizer as GGUF metadata, as
     gguf.GGUFWriter writes them (what llama.cpp's converter would produce, unquantized)."""
