@@ -1,4 +1,4 @@
-"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster | router | moe`."""
+"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster | router | moe | structured`."""
 from __future__ import annotations
 
 import asyncio
@@ -55,6 +55,7 @@ def add_bench_parser(sub) -> None:
     add_cluster_parser(bench)
     add_router_parser(bench)
     add_moe_parser(bench)
+    add_structured_parser(bench)
 
 
 def run_offline(args) -> int:
@@ -105,6 +106,30 @@ def run_moe(args) -> int:
                        top_k=args.top_k, expert_size=args.expert_size)
     result = measure(shapes, args.dtype, args.batch, args.prompt_len, args.repeats)
     report(args, {"machine": machine(), **result.as_dict()})
+    return 0
+
+
+def add_structured_parser(bench) -> None:
+    structured = bench.add_parser("structured", help="issue 19: a decode step with every row under its own JSON "
+                                                     "schema vs unconstrained; time to first token, cold and cached")
+    structured.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    structured.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
+    structured.add_argument("--batch", type=int, default=32)
+    structured.add_argument("--prompt-len", type=int, default=64)
+    structured.add_argument("--repeats", type=int, default=32, help="decode steps timed per batch, interleaved")
+    structured.add_argument("--trials", type=int, default=5, help="lone requests timed per time-to-first-token case")
+    structured.add_argument("--json", action="store_true", help="print one JSON object, not a markdown table")
+    structured.set_defaults(handler=run_structured)
+
+
+def run_structured(args) -> int:
+    from benchmarks.structured import measure
+
+    result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.repeats, args.trials)
+    if args.json:
+        report(args, {"machine": machine(), **result.as_dict()})
+    else:
+        print(f"{machine()}, {result.dtype}, {result.timed_steps} decode steps timed\n\n{result.markdown()}")
     return 0
 
 
