@@ -14,6 +14,8 @@ MAX_STOP_STRING_CHARS = 256  # a stop string is held back from the stream while 
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0   # OpenAI's bound
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -37,6 +39,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)   # token id -> added to its logit
     min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens are out
+    bad_words: tuple[str, ...] = ()     # no token sequence spelling one of these is sampled (vLLM's bad_words)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +75,7 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         self.validate_stops()
         self.validate_logit_bias()
+        self.validate_bad_words()
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
@@ -84,6 +88,14 @@ class SamplingParams:
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} "
                                  f"for token {token_id}")
+
+    def validate_bad_words(self) -> None:
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(self.bad_words)}")
+        if any(not word.strip() for word in self.bad_words):
+            raise ValueError("bad_words must not be empty or blank")
+        if any(len(word) > MAX_BAD_WORD_CHARS for word in self.bad_words):
+            raise ValueError(f"bad_words must be at most {MAX_BAD_WORD_CHARS} characters long")
 
     def validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -107,6 +119,7 @@ class SamplingParams:
             "include_stop_str_in_output": msg.include_stop_str_in_output,
             "structured_output": StructuredOutput.from_proto(msg.structured_output),
             "logit_bias": dict(msg.logit_bias),
+            "bad_words": tuple(msg.bad_words),
         }
         for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n",
@@ -123,6 +136,7 @@ class SamplingParams:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, n=self.n,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
+            bad_words=list(self.bad_words),
         )
         if self.structured_output is not None:
             msg.structured_output.CopyFrom(self.structured_output.to_proto())

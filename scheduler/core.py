@@ -69,8 +69,8 @@ class Scheduler:
         request.seqs.append(first)
         request.forked = params.n == 1
         self.requests[request_id] = request
-        if params.structured_output is not None:
-            self.structured.submit(request_id, params.structured_output)
+        if params.structured_output is not None or params.bad_words:
+            self.structured.submit(request_id, params.structured_output, params.bad_words)
             self.compiling.append(first)
         else:
             self.waiting.append(first)

@@ -1,6 +1,7 @@
 """Structured outputs on the scheduler's side (vLLM v1's shape): grammars compiled off the step loop, one matcher
 per sequence advanced with each sampled token, and each step the bitmask of the tokens a constrained sequence may
-sample next, sent to the worker with the step.
+sample next, sent to the worker with the step. A request's bad_words (scheduler/bad_words.py) clear bits of the
+same bitmask, so they cost what a grammar does and nothing for the rows without either.
 
 xgrammar (and with it torch) is imported in the compile thread, on the first constrained request: a scheduler
 that never sees one never loads it, and the step loop never waits for it.
@@ -15,9 +16,17 @@ from typing import Any
 
 from base.structured_output import StructuredOutput
 from protos import worker_pb2
+from scheduler.bad_words import BadWords, bad_word_token_ids
 
 GRAMMAR_CACHE_BYTES = 256 << 20     # compiled grammars kept (xgrammar's cache evicts the least recently used)
 COMPILE_THREADS = 2
+
+
+@dataclass
+class Prepared:
+    """What a request's constraints compile to."""
+    grammar: Any = None                     # xgrammar.CompiledGrammar; None: no structured output
+    bad_words: list[tuple[int, ...]] = field(default_factory=list)   # their token ids
 
 
 @dataclass
@@ -30,10 +39,16 @@ class GrammarCompilation:
         default_factory=lambda: ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile"))
     lock: threading.Lock = field(default_factory=threading.Lock)
     compiler: Any = None
+    tokenizer: Any = None
     no_control_chars: Any = None   # numpy int32 bitmask: the tokens without a byte below 0x20
 
-    def submit(self, constraint: StructuredOutput) -> Future:
-        return self.executor.submit(self.compile, constraint)
+    def submit(self, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = ()) -> Future:
+        return self.executor.submit(self.prepare, constraint, bad_words)
+
+    def prepare(self, constraint: StructuredOutput | None, bad_words: tuple[str, ...]) -> Prepared:
+        self.get_compiler()
+        grammar = self.compile(constraint) if constraint is not None else None
+        return Prepared(grammar, bad_word_token_ids(self.tokenizer, bad_words))
 
     def compile(self, constraint: StructuredOutput) -> Any:
         compiler = self.get_compiler()
@@ -54,7 +69,7 @@ class GrammarCompilation:
                 import xgrammar
                 from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+                self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.model_path)
                 info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                                stop_token_ids=self.stop_token_ids)
                 self.compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
@@ -89,10 +104,12 @@ class StructuredOutputManager:
         self.json_requests: set[str] = set()
         self.matchers: dict[str, Any] = {}          # seq id -> xgrammar.GrammarMatcher
         self.json_seqs: set[str] = set()            # seq ids whose matcher is a JSON grammar
+        self.request_bad_words: dict[str, list[tuple[int, ...]]] = {}   # request id -> its bad words' token ids
+        self.bad_words: dict[str, BadWords] = {}     # seq id -> its bad words
 
-    def submit(self, request_id: str, constraint: StructuredOutput) -> None:
-        self.compiling[request_id] = self.compilation.submit(constraint)
-        if constraint.kind in ("json_schema", "json_object"):
+    def submit(self, request_id: str, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = ()) -> None:
+        self.compiling[request_id] = self.compilation.submit(constraint, bad_words)
+        if constraint is not None and constraint.kind in ("json_schema", "json_object"):
             self.json_requests.add(request_id)
 
     def collect(self) -> tuple[list[str], list[tuple[str, str]]]:
@@ -103,29 +120,37 @@ class StructuredOutputManager:
                 continue
             del self.compiling[request_id]
             try:
-                self.grammars[request_id] = future.result()
+                prepared = future.result()
+                if prepared.grammar is not None:
+                    self.grammars[request_id] = prepared.grammar
+                if prepared.bad_words:
+                    self.request_bad_words[request_id] = prepared.bad_words
                 compiled.append(request_id)
             except Exception as e:   # xgrammar reports a bad schema/regex/grammar as RuntimeError or ValueError
                 failed.append((request_id, f"the structured output could not be compiled: {e}"))
         return compiled, failed
 
     def add_sequence(self, request_id: str, seq_id: str, token_ids: list[int] = ()) -> None:
-        """A matcher at the start of the output, advanced through the output tokens already known."""
-        import xgrammar
+        """A matcher (and bad words) at the start of the output, advanced through the output tokens already known."""
+        if request_id in self.request_bad_words:
+            self.bad_words[seq_id] = BadWords(self.request_bad_words[request_id])
+        if request_id in self.grammars:
+            import xgrammar
 
-        matcher = xgrammar.GrammarMatcher(self.grammars[request_id])
+            self.matchers[seq_id] = xgrammar.GrammarMatcher(self.grammars[request_id])
+            if request_id in self.json_requests:
+                self.json_seqs.add(seq_id)
         for token_id in token_ids:
-            matcher.accept_token(token_id)
-        self.matchers[seq_id] = matcher
-        if request_id in self.json_requests:
-            self.json_seqs.add(seq_id)
+            self.accept(seq_id, token_id)
 
     def constrains(self, seq_id: str) -> bool:
-        return seq_id in self.matchers
+        return seq_id in self.matchers or seq_id in self.bad_words
 
     def accept(self, seq_id: str, token_id: int) -> bool:
         """Advance seq's matcher; False if the grammar refused the token (it never should: the mask allowed it)."""
-        return self.matchers[seq_id].accept_token(token_id)
+        if seq_id in self.bad_words:
+            self.bad_words[seq_id].accept(token_id)
+        return seq_id not in self.matchers or self.matchers[seq_id].accept_token(token_id)
 
     def is_terminated(self, seq_id: str) -> bool:
         matcher = self.matchers.get(seq_id)
@@ -137,15 +162,18 @@ class StructuredOutputManager:
             return []
         import xgrammar
 
-        masks = xgrammar.allocate_token_bitmask(len(seq_ids), self.vocab_size)
+        masks = xgrammar.allocate_token_bitmask(len(seq_ids), self.vocab_size)   # all allowed
         for row, seq_id in enumerate(seq_ids):
-            self.matchers[seq_id].fill_next_token_bitmask(masks, row)
+            if seq_id in self.matchers:
+                self.matchers[seq_id].fill_next_token_bitmask(masks, row)
         rows = masks.numpy()
         for row, seq_id in enumerate(seq_ids):
             if seq_id in self.json_seqs:
                 # xgrammar 0.2.8 lets a length-bounded JSON string (maxLength) hold raw control characters,
                 # which JSON forbids; compact JSON needs none outside strings either
                 rows[row] &= self.compilation.no_control_chars
+            if seq_id in self.bad_words:
+                clear_bits(rows[row], self.bad_words[seq_id].banned_next())
         return [worker_pb2.TokenBitmask(seq_id=seq_id, bits=rows[i].tobytes()) for i, seq_id in enumerate(seq_ids)]
 
     def free(self, request_id: str, seq_ids: list[str]) -> None:
@@ -154,6 +182,21 @@ class StructuredOutputManager:
             future.cancel()
         self.grammars.pop(request_id, None)
         self.json_requests.discard(request_id)
+        self.request_bad_words.pop(request_id, None)
         for seq_id in seq_ids:
             self.matchers.pop(seq_id, None)
             self.json_seqs.discard(seq_id)
+            self.bad_words.pop(seq_id, None)
+
+
+def clear_bits(row: Any, token_ids: list[int]) -> None:
+    """Disallow token_ids in one int32 bitmask row, unless that would leave no token (the grammar wins)."""
+    import numpy
+
+    kept = row.copy()
+    words = row.view(numpy.uint32)
+    for token_id in token_ids:
+        if token_id < words.size * 32:
+            words[token_id >> 5] &= ~numpy.uint32(1 << (token_id & 31))
+    if not row.any():
+        row[:] = kept

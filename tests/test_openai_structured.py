@@ -1,7 +1,7 @@
 """Structured outputs over the OpenAI HTTP API, on the default model (SmolLM2-135M-Instruct) behind a real router:
 `response_format` through the official client's `parse`, 20 JSON schemas that validate at temperature 0 and 1,
-vLLM's `structured_outputs` / `guided_*` fields, `logit_bias` and `min_tokens`; bad constraints are 400s with the
-reason and the server serves on."""
+vLLM's `structured_outputs` / `guided_*` fields, `logit_bias`, `min_tokens` and `bad_words`; bad constraints are
+400s with the reason and the server serves on."""
 from __future__ import annotations
 
 import json
@@ -209,6 +209,15 @@ def test_min_tokens_holds_back_the_end_of_the_text(stack):
     assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
 
 
+def test_bad_words_keep_a_word_out_of_the_answer(stack):
+    question = "What is the capital of France?"
+    assert "Paris" in ok(chat(stack, question, temperature=0, max_tokens=24))["message"]["content"]
+    assert "Paris" not in ok(chat(stack, question, temperature=0, max_tokens=24,
+                                  bad_words=["Paris"]))["message"]["content"]
+    assert ok(chat(stack, question, temperature=0, guided_choice=["Paris", "London"],
+                   bad_words=["Paris"]))["message"]["content"] == "London"
+
+
 # --- bad constraints: 400 with the reason, and the server serves on ------------------------------------------
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -227,6 +236,7 @@ BAD = [
     ({"logit_bias": {"5": 101}}, "logit_bias values must be in [-100, 100]"),
     ({"logit_bias": {"999999": 5}}, "logit_bias token ids must lie in"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"bad_words": ["  "]}, "bad_words must not be empty"),
 ]
 
 

@@ -1,6 +1,7 @@
 """The OpenAI request fields that constrain or bias the output, mapped onto Ferry's SamplingParams: OpenAI's
-`response_format` and `logit_bias`, vLLM's `structured_outputs` (and its older top-level `guided_*` names) and
-`min_tokens`. At most one constraint per request; what cannot be honoured is a 400 naming the field."""
+`response_format` and `logit_bias`; vLLM's `structured_outputs` (and its older top-level `guided_*` names),
+`min_tokens` and `bad_words`. At most one constraint per request; what cannot be honoured is a 400 naming the
+field."""
 from __future__ import annotations
 
 import json
@@ -53,10 +54,12 @@ class ConstrainedRequest(Protocol):
     guided_grammar: str | None
     logit_bias: dict[str, float] | None
     min_tokens: int | None
+    bad_words: list[str] | None
 
 
 def add_constraints(params: common_pb2.SamplingParams, request: ConstrainedRequest) -> None:
-    """Set the request's structured output, logit_bias and min_tokens on params; APIError 400 when they are bad."""
+    """Set the request's structured output, logit_bias, min_tokens and bad_words on params; APIError 400 when
+    they are bad."""
     constraint = structured_output(request)
     if constraint is not None:
         params.structured_output.CopyFrom(constraint.to_proto())
@@ -64,6 +67,7 @@ def add_constraints(params: common_pb2.SamplingParams, request: ConstrainedReque
         params.logit_bias.update(token_id_bias(request.logit_bias))
     if request.min_tokens is not None:
         params.min_tokens = request.min_tokens
+    params.bad_words.extend(request.bad_words or [])
 
 
 def structured_output(request: ConstrainedRequest) -> StructuredOutput | None:

@@ -49,6 +49,7 @@ class SamplingRequest(BaseModel):
     n: UINT32 | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> added to its logit
     min_tokens: UINT32 | None = None
+    bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # vLLM's; guided_* are its older names
     guided_json: str | dict[str, Any] | None = None
