@@ -25,8 +25,14 @@
 namespace {
 
 using ferry::bf16_bits_to_float;
+#if FERRY_AVX512
+using V = ferry::F32x16;   // the build's float vector: the vector loops below are written once against it
+#elif FERRY_AVX2
+using V = ferry::F32x8;
+#endif
 #if FERRY_AVX512 || FERRY_AVX2
 using ferry::exp_ps;
+constexpr int64_t kLanes = sizeof(V::Vec) / sizeof(float);
 #endif
 
 // fp32 -> bf16 with round-to-nearest-even, written as integer ops so that loops over it vectorise.
@@ -84,9 +90,11 @@ void check_rows(const torch::Tensor& x, const char* name) {
 template <typename T>
 constexpr bool kVectorised = !std::is_same_v<T, at::Half>;
 
+// Loads widen a vector's worth of fp32 or bf16 elements; stores narrow them again; round_lanes rounds as a store
+// then load would.
 #if FERRY_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
+inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_lanes(const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
@@ -100,19 +108,19 @@ inline __m512i bf16_bits(__m512 x) {
   return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
 }
 
-inline __m512 round16(__m512 x, float) { return x; }
-inline __m512 round16(__m512 x, uint16_t) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+inline __m512 round_lanes(__m512 x, float) { return x; }
+inline __m512 round_lanes(__m512 x, uint16_t) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
 
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(uint16_t* p, __m512 x) {
+inline void store_lanes(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store_lanes(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
 }
 #endif
 
 #if FERRY_AVX2
 // The same helpers on 8-lane AVX2 vectors
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return ferry::load8_bf16(p); }
+inline __m256 load_lanes(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_lanes(const uint16_t* p) { return ferry::load8_bf16(p); }
 
 // fp32 → bf16 bits (round to nearest even, NaN kept a NaN) in the low half of each 32-bit lane
 inline __m256i bf16_bits(__m256 x) {
@@ -124,11 +132,11 @@ inline __m256i bf16_bits(__m256 x) {
   return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
 }
 
-inline __m256 round8(__m256 x, float) { return x; }
-inline __m256 round8(__m256 x, uint16_t) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+inline __m256 round_lanes(__m256 x, float) { return x; }
+inline __m256 round_lanes(__m256 x, uint16_t) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
 
-inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-inline void store8(uint16_t* p, __m256 x) {
+inline void store_lanes(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store_lanes(uint16_t* p, __m256 x) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits(x), _mm256_setzero_si256()), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
@@ -197,20 +205,12 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
                                   : torch_order_sum_of_squares<T, 8>(x, n);
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   int64_t i = 0;
-#if FERRY_AVX512
+#if FERRY_AVX512 || FERRY_AVX2
   if constexpr (kVectorised<T>) {
-    const __m512 scale = _mm512_set1_ps(inv_rms);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 normed = round16(_mm512_mul_ps(load16(x + i), scale), Storage<T>{});
-      store16(out + i, _mm512_mul_ps(load16(weight + i), normed));
-    }
-  }
-#elif FERRY_AVX2
-  if constexpr (kVectorised<T>) {
-    const __m256 scale = _mm256_set1_ps(inv_rms);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 normed = round8(_mm256_mul_ps(load8(x + i), scale), Storage<T>{});
-      store8(out + i, _mm256_mul_ps(load8(weight + i), normed));
+    const V::Vec scale = V::set1(inv_rms);
+    for (; i + kLanes <= n; i += kLanes) {
+      const V::Vec normed = round_lanes(V::mul(load_lanes(x + i), scale), Storage<T>{});
+      store_lanes(out + i, V::mul(load_lanes(weight + i), normed));
     }
   }
 #endif
@@ -224,13 +224,10 @@ void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out
 template <typename T>
 void add_row(Storage<T>* residual, const Storage<T>* x, int64_t n) {
   int64_t i = 0;
-#if FERRY_AVX512
+#if FERRY_AVX512 || FERRY_AVX2
   if constexpr (kVectorised<T>) {
-    for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
-  }
-#elif FERRY_AVX2
-  if constexpr (kVectorised<T>) {
-    for (; i + 8 <= n; i += 8) store8(residual + i, _mm256_add_ps(load8(residual + i), load8(x + i)));
+    for (; i + kLanes <= n; i += kLanes)
+      store_lanes(residual + i, V::add(load_lanes(residual + i), load_lanes(x + i)));
   }
 #endif
   for (; i < n; ++i) residual[i] = Elem<T>::store(Elem<T>::load(residual[i]) + Elem<T>::load(x[i]));
@@ -309,22 +306,13 @@ inline float silu_mul_scalar(float gate, float up) {
 template <typename T>
 void silu_mul_row(const Storage<T>* gate, const Storage<T>* up, Storage<T>* dst, int64_t n) {
   int64_t i = 0;
-#if FERRY_AVX512
+#if FERRY_AVX512 || FERRY_AVX2
   if constexpr (kVectorised<T>) {
-    for (; i + 16 <= n; i += 16) {
-      const __m512 g = load16(gate + i);
-      const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-      const __m512 silu = round16(_mm512_div_ps(g, denominator), Storage<T>{});
-      store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
-    }
-  }
-#elif FERRY_AVX2
-  if constexpr (kVectorised<T>) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256 g = load8(gate + i);
-      const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g)));
-      const __m256 silu = round8(_mm256_div_ps(g, denominator), Storage<T>{});
-      store8(dst + i, _mm256_mul_ps(silu, load8(up + i)));
+    for (; i + kLanes <= n; i += kLanes) {
+      const V::Vec g = load_lanes(gate + i);
+      const V::Vec denominator = V::add(V::set1(1.f), exp_ps(V::sub(V::zero(), g)));
+      const V::Vec silu = round_lanes(V::div(g, denominator), Storage<T>{});
+      store_lanes(dst + i, V::mul(silu, load_lanes(up + i)));
     }
   }
 #endif
@@ -357,7 +345,7 @@ int64_t argmax_row(const Storage<T>* x, int64_t n) {
       __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), where = index;
       __mmask16 nans = 0;
       for (; i + 16 <= n; i += 16, index = _mm512_add_epi32(index, step)) {
-        const __m512 v = load16(x + i);
+        const __m512 v = load_lanes(x + i);
         const __mmask16 greater = _mm512_cmp_ps_mask(v, peak, _CMP_GT_OQ);
         peak = _mm512_mask_mov_ps(peak, greater, v);
         where = _mm512_mask_mov_epi32(where, greater, index);
@@ -374,7 +362,7 @@ int64_t argmax_row(const Storage<T>* x, int64_t n) {
       __m256 peak = _mm256_set1_ps(-INFINITY), nans = _mm256_setzero_ps();
       __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), where = index;
       for (; i + 8 <= n; i += 8, index = _mm256_add_epi32(index, _mm256_set1_epi32(8))) {
-        const __m256 v = load8(x + i);
+        const __m256 v = load_lanes(x + i);
         const __m256 greater = _mm256_cmp_ps(v, peak, _CMP_GT_OQ);
         peak = _mm256_blendv_ps(peak, v, greater);
         where = _mm256_blendv_epi8(where, index, _mm256_castps_si256(greater));

@@ -19,7 +19,7 @@
 //
 // paged_decode reads as these steps: check_and_normalise, partition_work (the work items), decode_items (per item
 // start_item, run_item's block loop and finish_item), merge_partitions. The two vector paths share their loops over
-// query heads (heads_simd), each supplying its kernel for a group of them (Avx512::group, Avx2::group).
+// query heads (heads_simd), each supplying its kernel for a group of them (group_simd, one per path).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -150,6 +150,7 @@ void group_portable(const T* k, const T* v, int64_t k_token, int64_t v_token, in
 // AVX-512 path. head_dim is walked in chunks of 32 elements, each widened to two fp32 vectors (a, b). For bf16
 // the pair is (even elements, odd elements) of the chunk: one 64-byte load, then a shift and a mask, no lane
 // crossing; the query and the accumulated output are kept in that same permuted order (see slot_in_chunk).
+constexpr int64_t kSimdChunk = 32;   // head_dim elements a chunk
 template <typename T>
 inline void load32(const T* p, __mmask32 mask, __m512& a, __m512& b);
 template <>
@@ -273,18 +274,10 @@ inline void score_block(const T* k, int64_t k_token, int64_t n, const Layout& la
   score_tokens<T, TG, CHUNKS>(k, k_token, n, lay, st.q + first_head * lay.padded_dim, partial);
 }
 
-// The AVX-512 path, as heads_simd takes it: its chunk width and its kernel for a group of query heads.
-struct Avx512 {
-  static constexpr int64_t kChunk = 32;   // head_dim elements a chunk
-  template <typename T, int TG, int CHUNKS>
-  static void group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                    int64_t first_head, State& st);
-};
-
 // n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 32 when fixed at compile time, else 0.
 template <typename T, int TG, int CHUNKS>
-void Avx512::group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                   int64_t first_head, State& st) {
+void group_simd(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                int64_t first_head, State& st) {
   const int64_t pd = lay.padded_dim;
   const int64_t chunks = CHUNKS ? CHUNKS : pd / 32;
   const int64_t tail = lay.head_dim - (chunks - 1) * 32;
@@ -357,6 +350,7 @@ void Avx512::group(const T* k, const T* v, int64_t k_token, int64_t v_token, int
 // AVX2 path (+FMA, F16C): the same one-pass algorithm with 8-lane vectors, head_dim a multiple of 8, in natural
 // element order (a bf16 chunk of 8 is widened in place). A block's scores are per token two FMA chains over
 // head_dim, then 8 tokens' lane sums are reduced at once by a horizontal-add transpose.
+constexpr int64_t kSimdChunk = 8;   // head_dim elements a chunk
 template <typename T>
 inline __m256 load8(const T* p);
 template <>
@@ -427,18 +421,10 @@ inline void score_tokens_avx2(const T* k, int64_t k_token, int64_t n, const Layo
     for (int g = 0; g < TG; ++g) _mm256_store_ps(scores[g] + 8, _mm256_set1_ps(kNegBig));
 }
 
-// The AVX2 path, as heads_simd takes it.
-struct Avx2 {
-  static constexpr int64_t kChunk = 8;   // head_dim elements a chunk
-  template <typename T, int TG, int CHUNKS>
-  static void group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                    int64_t first_head, State& st);
-};
-
 // n (1..16) tokens of one KV head, TG query heads; CHUNKS = head_dim / 8 when fixed at compile time, else 0.
 template <typename T, int TG, int CHUNKS>
-void Avx2::group(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
-                 int64_t first_head, State& st) {
+void group_simd(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
+                int64_t first_head, State& st) {
   const int64_t pd = lay.padded_dim;
   const int64_t chunks = CHUNKS ? CHUNKS : lay.head_dim / 8;
   alignas(32) float probs[TG][16];
@@ -496,35 +482,36 @@ void heads_portable(const T* k, const T* v, int64_t k_token, int64_t v_token, in
 }
 
 #if FERRY_AVX512 || FERRY_AVX2
-// One block's n tokens of one KV head for its lay.group query heads, Isa::group taking up to four at a time.
-template <typename Isa, typename T, int CHUNKS>
+// One block's n tokens of one KV head for its lay.group query heads, the build's group_simd (AVX-512's or AVX2's)
+// taking up to four at a time.
+template <typename T, int CHUNKS>
 void heads_simd(const T* k, const T* v, int64_t k_token, int64_t v_token, int64_t n, const Layout& lay,
                 int64_t first_head, State& st) {
   for (int64_t g = 0; g < lay.group; g += 4) {
     switch (std::min<int64_t>(4, lay.group - g)) {
-      case 1: Isa::template group<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      case 2: Isa::template group<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      case 3: Isa::template group<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
-      default: Isa::template group<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 1: group_simd<T, 1, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 2: group_simd<T, 2, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      case 3: group_simd<T, 3, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
+      default: group_simd<T, 4, CHUNKS>(k, v, k_token, v_token, n, lay, first_head + g, st); break;
     }
   }
 }
 
 // The common head_dims get their chunk count fixed at compile time.
-template <typename Isa, typename T>
+template <typename T>
 HeadsFn<T> pick_simd_heads(const Layout& lay) {
-  if (lay.head_dim == 64) return heads_simd<Isa, T, 64 / Isa::kChunk>;
-  if (lay.head_dim == 128) return heads_simd<Isa, T, 128 / Isa::kChunk>;
-  return heads_simd<Isa, T, 0>;
+  if (lay.head_dim == 64) return heads_simd<T, 64 / kSimdChunk>;
+  if (lay.head_dim == 128) return heads_simd<T, 128 / kSimdChunk>;
+  return heads_simd<T, 0>;
 }
 #endif
 
 template <typename T>
 HeadsFn<T> pick_heads(const Layout& lay, bool portable) {
 #if FERRY_AVX512
-  if (!portable) return pick_simd_heads<Avx512, T>(lay);
+  if (!portable) return pick_simd_heads<T>(lay);
 #elif FERRY_AVX2
-  if (!portable && lay.head_dim % Avx2::kChunk == 0) return pick_simd_heads<Avx2, T>(lay);
+  if (!portable && lay.head_dim % kSimdChunk == 0) return pick_simd_heads<T>(lay);
 #endif
   (void)lay;
   (void)portable;
