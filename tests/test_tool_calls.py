@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from protos import router_pb2, router_pb2_grpc
 from tests.conftest import build_tiny_tokenizer
-from tests.services_fixtures import API_KEY, CHILD_ENV, HttpStack, free_port, start_services, wait_for_health, \
-    wait_until
+from tests.services_fixtures import (API_KEY, CHILD_ENV, HttpStack, free_port, greedy, start_services,
+                                     wait_for_health, wait_until)
 from tests.test_tool_parsers import HERMES_TEMPLATE
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {
@@ -216,6 +218,27 @@ def test_the_calls_and_their_results_go_back_to_the_model_through_its_template(h
     expected = AutoTokenizer.from_pretrained(scripted_dir).apply_chat_template(
         conversation, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert response.usage.prompt_tokens == len(expected)
+
+
+def test_router_generate_over_grpc_renders_tools_and_tool_messages_too(hermes, scripted_dir):
+    from transformers import AutoTokenizer
+
+    call = router_pb2.ToolCall(id="call_1", name="get_time", arguments='{"hours_ahead": 2}')
+    chat = router_pb2.ChatMessages(tools=json.dumps(TOOLS), messages=[
+        router_pb2.ChatMessage(role="user", content="What time is it in two hours?"),
+        router_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+        router_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="14:00")])
+    request = router_pb2.GenerateRequest(chat=chat, sampling=greedy(4))
+    with grpc.insecure_channel(hermes.grpc_address) as channel:
+        responses = list(router_pb2_grpc.RouterStub(channel).Generate(
+            request, timeout=60, metadata=[("authorization", f"Bearer {API_KEY}")]))
+    expected = AutoTokenizer.from_pretrained(scripted_dir).apply_chat_template([
+        {"role": "user", "content": "What time is it in two hours?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"hours_ahead": 2}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "14:00"}], tools=TOOLS, add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"]
+    assert responses[-1].usage.prompt_tokens == len(expected)
 
 
 def test_tools_on_the_completions_api_are_refused(hermes):

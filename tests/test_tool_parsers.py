@@ -138,6 +138,12 @@ def test_required_is_forced_to_an_array_of_calls_to_the_tools():
                                                                                            ["get_time"]]
     assert spec["$defs"] == {"z": {"type": "string"}}
     assert "$defs" not in spec["items"]["anyOf"][1]["properties"]["parameters"]
+    assert "maxItems" not in spec
+
+
+def test_required_without_parallel_calls_is_forced_to_one_call():
+    plan = tool_plan(chat_request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), "")
+    assert json.loads(plan.grammar.spec)["maxItems"] == 1
 
 
 @pytest.mark.parametrize("fields, reason", [

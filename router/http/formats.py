@@ -141,7 +141,7 @@ class ChatFormat(ResponseFormat):
         finish = choice.finish_reason
         if self.tools.calls_tools:
             content, calls = parse_whole(self.tools.parser(), choice.text)
-            message["content"] = content or None if calls else content
+            message["content"] = (content or None) if calls else content
             if calls:
                 message["tool_calls"] = calls
             finish = finish_reason(finish, bool(calls))

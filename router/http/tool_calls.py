@@ -52,7 +52,8 @@ def tool_plan(body: ChatCompletionRequest, parser_name: str) -> ToolPlan:
         tool = named_tool(tools, choice.function.name)
         return ToolPlan(json_schema(parameters_schema(tool)), lambda: NamedCallParser(name=tool.function.name))
     if choice == "required":
-        return ToolPlan(json_schema(call_array_schema(tools)), CallArrayParser)
+        return ToolPlan(json_schema(call_array_schema(tools, one_call=body.parallel_tool_calls is False)),
+                        CallArrayParser)
     if parser_name not in PARSERS:
         raise APIError(400, '"auto" tool choice needs to know the model\'s tool-call format, which its chat '
                             'template does not show: start the router with --tool-call-parser '
@@ -73,9 +74,9 @@ def parameters_schema(tool: ToolDefinition) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters else NO_ARGUMENTS
 
 
-def call_array_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
-    """vLLM's grammar for "required": one or more {"name": <a tool>, "parameters": <that tool's schema>}, the
-    tools' $defs gathered at the top so their references still resolve."""
+def call_array_schema(tools: list[ToolDefinition], one_call: bool = False) -> dict[str, Any]:
+    """vLLM's grammar for "required": one or more {"name": <a tool>, "parameters": <that tool's schema>} (just one
+    with parallel_tool_calls false), the tools' $defs gathered at the top so their references still resolve."""
     definitions: dict[str, Any] = {}
     calls = []
     for tool in tools:
@@ -86,7 +87,8 @@ def call_array_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
                                param="tools")
         calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": schema},
                       "required": ["name", "parameters"]})
-    array = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    array = {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}),
+             "items": {"type": "object", "anyOf": calls}}
     return {**array, "$defs": definitions} if definitions else array
 
 
