@@ -71,7 +71,8 @@ def test_a_calls_first_delta_names_it_and_later_ones_only_add_arguments():
 
 
 @pytest.mark.parametrize("text", ["Plain answer, no tools.", "a < b and <tool is not a tag", "ends with <tool_ca",
-                                  "<tool_call>not json at all</tool_call>"])
+                                  "<tool_call>not json at all</tool_call>",
+                                  '<tool_call>{"na\\xme": "f", "name": "\\q"}</tool_call>'])
 def test_text_without_a_call_stays_content(text):
     for seed in range(3):
         content, calls, _ = streamed(HermesParser(), cuts(text, seed))

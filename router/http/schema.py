@@ -225,9 +225,11 @@ class ChatCompletionRequest(SamplingRequest):
 
     def generate_request(self, request_id: str, model: str, max_tokens: int | None) -> router_pb2.GenerateRequest:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return router_pb2.GenerateRequest(request_id=request_id, model=model, chat=self.chat(),
-                                          sampling=self.sampling(max_tokens, logprobs),
-                                          stream_interval=self.stream_interval or 0)
+        request = router_pb2.GenerateRequest(request_id=request_id, model=model,
+                                             sampling=self.sampling(max_tokens, logprobs),
+                                             stream_interval=self.stream_interval or 0)
+        request.chat.CopyFrom(self.chat())
+        return request
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

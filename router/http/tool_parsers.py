@@ -67,7 +67,7 @@ class CallObject:
         elif self.phase == "key" and self.in_string:
             self.token += char
             if self.string_closed(char):
-                self.key, self.phase = json.loads(self.token), "colon"
+                self.key, self.phase = json_string(self.token) or "", "colon"
         elif char.isspace():
             return
         elif self.phase == "open":
@@ -124,7 +124,7 @@ class CallObject:
             self.escaped = False
         elif char == "\\":
             self.escaped = True
-        elif char == '"' and len(self.token) > 1 and self.in_string:
+        elif char == '"':
             self.in_string = False
             return True
         return False
@@ -132,18 +132,19 @@ class CallObject:
     def end_value(self) -> None:
         value = self.token.strip()
         if self.key == "name":
-            self.name = parsed_name(value)
+            self.name = json_string(value) or None
         elif self.key in ARGUMENT_KEYS and not self.streams_value:
             self.arguments = value
         self.phase = "after_value"
 
 
-def parsed_name(value: str) -> str | None:
+def json_string(value: str) -> str | None:
+    """The string a JSON string literal holds; None for anything else (a model may write broken escapes)."""
     try:
-        name = json.loads(value)
+        text = json.loads(value)
     except json.JSONDecodeError:
         return None
-    return name if isinstance(name, str) and name else None
+    return text if isinstance(text, str) else None
 
 
 @dataclass
