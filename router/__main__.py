@@ -11,6 +11,7 @@ from base.cluster_auth import add_secret_args, cluster_secrets
 from base.tls import add_tls_args, tls_config
 from router.api_keys import add_api_key_args, api_keys
 from router.http.serve import add_http_args
+from router.http.tool_parsers import PARSERS
 from router.limits import add_limit_args, key_limits
 from router.policy import POLICIES
 from router.retry import add_retry_args, retry_options
@@ -67,6 +68,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1,
                         help="router processes sharing the gRPC and HTTP ports (SO_REUSEPORT); needs fixed ports")
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)   # set on each of --workers
+    parser.add_argument("--tool-call-parser", default="", choices=sorted(PARSERS),
+                        help='the format "auto" tool calls are read in (default: what the chat template shows)')
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     return parser
 
@@ -78,7 +81,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     return RouterOptions(args.host, args.port, args.redis_url, args.scheduler, args.model_path, args.policy,
                          args.http_host, args.http_port, api_keys(args), args.max_concurrent_requests,
                          args.max_request_bytes, args.drain_timeout, retry_options(args), key_limits(args),
-                         secrets.cluster_token, secrets.redis_password, tls, args.reuse_port)
+                         secrets.cluster_token, secrets.redis_password, tls, args.reuse_port,
+                         args.tool_call_parser)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -254,7 +255,7 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "chat":
-            ids = tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            ids = tokenizer.encode_chat(*chat_template_inputs(request.chat))
         else:
             ids = []
     except ValueError as e:
@@ -262,6 +263,40 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
     if not ids:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
     return ids
+
+
+def chat_template_inputs(chat: router_pb2.ChatMessages) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools a chat template takes, as transformers' apply_chat_template gets them."""
+    try:
+        tools = json.loads(chat.tools) if chat.tools else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"chat tools are not valid JSON: {e}") from e
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("chat tools must be a JSON list")
+    return [template_message(m) for m in chat.messages], tools
+
+
+def template_message(message: router_pb2.ChatMessage) -> dict:
+    rendered: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": call.id, "type": "function",
+                                   "function": {"name": call.name, "arguments": parsed_arguments(call.arguments)}}
+                                  for call in message.tool_calls]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name:
+        rendered["name"] = message.name
+    return rendered
+
+
+def parsed_arguments(arguments: str) -> dict | str:
+    """Templates expect a call's arguments as a dict (transformers' rule, which vLLM follows); text that is not
+    a JSON object stays text."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:

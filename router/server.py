@@ -90,6 +90,7 @@ class RouterOptions:
     redis_password: str = ""
     tls: TlsConfig = TlsConfig()         # cert: TLS on gRPC and HTTP; ca: schedulers dialed over TLS, checked by it
     reuse_port: bool = False             # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
+    tool_call_parser: str = ""           # "auto" tool calls' format (hermes, llama3_json); "": from the chat template
 
 
 async def serve(options: RouterOptions) -> int:
@@ -126,7 +127,7 @@ async def serve(options: RouterOptions) -> int:
 
 async def start_http(router: Router, directory: SchedulerDirectory, options: RouterOptions) -> HttpServer:
     app = create_app(router.generate, models=directory_models(directory), api_keys=options.api_keys,
-                     max_request_bytes=options.max_request_bytes)
+                     max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser)
     router.telemetry.instrument(app)
     try:
         http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,23 +55,25 @@ class RouterTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt for OpenAI-shaped messages (tool calls' arguments as dicts) and, when given, the tools."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: send a text prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True,
+                messages=messages, tools=tools, add_generation_prompt=True,
                 bos_token=special_token_text(self.config.get("bos_token")),
                 eos_token=special_token_text(self.config.get("eos_token")))
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:   # TypeError: a template that cannot take these messages
             raise ValueError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))
 
 
 _loading = threading.Lock()

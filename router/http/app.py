@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protos import router_pb2
+from router.core import chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import ClientGone, unless_disconnected
@@ -20,6 +21,7 @@ from router.http.schema import ChatCompletionRequest, CompletionRequest
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.sse import sse_events
 from router.http.streams import collect, started
+from router.http.tool_calls import add_grammar, detect_parser, tool_plan
 
 GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False, api_key="")
 
@@ -29,6 +31,7 @@ class OpenAIServer:
     generate: GenerateFn
     models: ModelsFn
     max_request_bytes: int = MAX_REQUEST_BYTES
+    tool_call_parser: str = ""     # "auto" tool choice's format; "": told by each model's chat template
 
     def model(self, name: str) -> ServedModel:
         served = self.models()
@@ -68,14 +71,16 @@ class OpenAIServer:
         max_tokens = body.requested_max_tokens
         if max_tokens is None and model.max_model_len:
             max_tokens = await self.room_left(model, body)
-        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage)
-        return await self.respond(request, body.generate_request(request_id, model.route_name, max_tokens), fmt,
-                                  body.stream, body.num_samples)
+        tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
+        generate_request = body.generate_request(request_id, model.route_name, max_tokens)
+        add_grammar(tools, generate_request.sampling)
+        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, tools=tools)
+        return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
     async def room_left(self, model: ServedModel, body: ChatCompletionRequest) -> int:
         """OpenAI's chat default: as many tokens as the context has left after the prompt."""
         try:
-            prompt = await asyncio.to_thread(model.tokenizer.encode_chat, body.chat_messages())
+            prompt = await asyncio.to_thread(model.tokenizer.encode_chat, *chat_template_inputs(body.chat()))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         return max(1, model.max_model_len - len(prompt))
@@ -96,9 +101,9 @@ class OpenAIServer:
 
 
 def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str = "") -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
-    server = OpenAIServer(generate, models, max_request_bytes)
+    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if api_keys:

@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 from protos import common_pb2, router_pb2
 from protos.finish_reasons import FINISH_REASON_NAMES
 from router.http.served_models import ServedModel
+from router.http.tool_calls import ToolPlan, delta_json, finish_reason, parse_whole
+from router.http.tool_parsers import ParsedDelta, ToolParser
 
 
 @dataclass
@@ -66,6 +68,8 @@ class ResponseFormat:
         if not (response.text or response.logprobs or response.finish_reason):
             return None      # text held back (a possible stop string or half a character)
         choice = self.chunk_choice(response)
+        if choice is None:
+            return None
         return self.envelope(self.chunk_object, [choice], **({"usage": None} if self.include_usage else {}))
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -77,7 +81,8 @@ class ResponseFormat:
     def final_choice(self, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any]:
+    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any] | None:
+        """None: nothing to send for this response yet."""
         raise NotImplementedError
 
 
@@ -116,6 +121,9 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    parsers: dict[int, ToolParser] = field(default_factory=dict)   # by sample, while streaming
+    calling: set[int] = field(default_factory=set)                 # the samples that made a call
 
     def token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self.model.token_text(token_id), "logprob": logprob,
@@ -129,15 +137,37 @@ class ChatFormat(ResponseFormat):
                             for e in entries]}
 
     def final_choice(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self.logprobs_json(choice.logprobs), "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        finish = choice.finish_reason
+        if self.tools.calls_tools:
+            content, calls = parse_whole(self.tools.parser(), choice.text)
+            message["content"] = (content or None) if calls else content
+            if calls:
+                message["tool_calls"] = calls
+            finish = finish_reason(finish, bool(calls))
+        return {"index": choice.index, "message": message, "logprobs": self.logprobs_json(choice.logprobs),
+                "finish_reason": finish, "stop_reason": choice.stop_reason}
 
-    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any]:
-        return {"index": response.index, "delta": {"content": response.text} if response.text else {},
+    def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any] | None:
+        finish = FINISH_REASON_NAMES.get(response.finish_reason)
+        delta = self.parsed(response)
+        if not (delta or response.logprobs or finish):
+            return None      # the text so far may still open a tool call
+        if delta.tool_calls:
+            self.calling.add(response.index)
+        return {"index": response.index, "delta": delta_json(delta),
                 "logprobs": self.logprobs_json(list(response.logprobs)),
-                "finish_reason": FINISH_REASON_NAMES.get(response.finish_reason),
+                "finish_reason": finish_reason(finish, response.index in self.calling),
                 "stop_reason": response.stop_reason or None}
+
+    def parsed(self, response: router_pb2.GenerateResponse) -> ParsedDelta:
+        if not self.tools.calls_tools:
+            return ParsedDelta(response.text)
+        if response.index not in self.parsers:
+            self.parsers[response.index] = self.tools.parser()
+        parser = self.parsers[response.index]
+        delta = parser.feed(response.text)
+        return delta.merge(parser.finish()) if response.finish_reason else delta
 
     def opening_chunks(self, num_samples: int) -> list[dict[str, Any]]:
         extra = {"usage": None} if self.include_usage else {}

@@ -5,6 +5,7 @@ value (top_p in (0, 1], n >= 1, ...) is checked once, by base.sampling_params in
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,12 +68,6 @@ class SamplingRequest(BaseModel):
     def num_samples(self) -> int:
         return self.n if self.n is not None else 1
 
-    def unsupported_common(self) -> tuple[str, str] | None:
-        """(param, reason) for what this server cannot honour, rather than silently ignoring it."""
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        return None
-
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
         params = common_pb2.SamplingParams(stop=stop_strings(self.stop), stop_token_ids=self.stop_token_ids,
                                            ignore_eos=self.ignore_eos,
@@ -107,7 +102,9 @@ class CompletionRequest(SamplingRequest):
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.num_samples:
             return "best_of", "best_of other than n is not supported"
-        return self.unsupported_common()
+        if self.tools:
+            return "tools", "tools are for /v1/chat/completions"
+        return None
 
     def generate_request(self, request_id: str, model: str) -> router_pb2.GenerateRequest:
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
@@ -129,11 +126,27 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    name: str
+    arguments: str = "{}"    # JSON text, as the API returned it
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -142,12 +155,49 @@ class ChatMessageIn(BaseModel):
             raise ValueError("only text content parts are supported")
         return "".join(part.text or "" for part in self.content)
 
+    def to_proto(self) -> router_pb2.ChatMessage:
+        calls = [router_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                 for c in self.tool_calls or []]
+        return router_pb2.ChatMessage(role=self.role, content=self.text(), tool_calls=calls,
+                                      tool_call_id=self.tool_call_id or "", name=self.name or "")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None    # a JSON schema; none: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_completion_tokens: UINT32 | None = None
     logprobs: bool = False
     top_logprobs: TOP_LOGPROBS | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
@@ -157,22 +207,29 @@ class ChatCompletionRequest(SamplingRequest):
                 message.text()
             except ValueError as e:
                 return f"messages[{i}].content", str(e)
-        return self.unsupported_common()
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def chat(self) -> router_pb2.ChatMessages:
+        tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools]) if self.tools else ""
+        return router_pb2.ChatMessages(messages=[m.to_proto() for m in self.messages], tools=tools)
 
     def generate_request(self, request_id: str, model: str, max_tokens: int | None) -> router_pb2.GenerateRequest:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
                                              sampling=self.sampling(max_tokens, logprobs),
                                              stream_interval=self.stream_interval or 0)
-        for message in self.chat_messages():
-            request.chat.messages.add(**message)
+        request.chat.CopyFrom(self.chat())
         return request
 
 
