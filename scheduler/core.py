@@ -153,7 +153,9 @@ class Scheduler:
             seats = self.seats(seq)
             if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq):
                 break
-            hits = self.block_manager.match_prefix(seq)
+            # a cached prefix has no logits to score its tokens with: such a request computes its whole prompt
+            # (as vLLM does; recomputing only the cached part's logits would cost the same forward pass)
+            hits = [] if seq.params.prompt_logprobs is not None else self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
             if not self.block_manager.allocate(seq, hits, num_tokens):
                 break
@@ -247,6 +249,8 @@ class Scheduler:
                                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens)
         if sampled.HasField("logprob"):
             output.new_logprobs.append(sampled.logprob)
+        if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 1:
+            output.prompt_logprobs = list(sampled.prompt_logprobs)
         if not request.forked:
             self.fork(request, seq)
         grammar_done = self.structured.is_terminated(seq.seq_id)
