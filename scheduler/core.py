@@ -153,9 +153,7 @@ class Scheduler:
             seats = self.seats(seq)
             if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq):
                 break
-            # a cached prefix has no logits to score its tokens with: such a request computes its whole prompt
-            # (as vLLM does; recomputing only the cached part's logits would cost the same forward pass)
-            hits = [] if seq.params.prompt_logprobs is not None else self.block_manager.match_prefix(seq)
+            hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
             if not self.block_manager.allocate(seq, hits, num_tokens):
                 break

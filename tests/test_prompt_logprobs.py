@@ -91,6 +91,7 @@ def test_a_cached_prefix_is_scored_anyway(tiny_llama_dir, model, prompts):
     assert_prompt_logprobs_match(first.prompt_logprobs, model, prompt)
     assert list(second.prompt_logprobs) == list(first.prompt_logprobs)
     assert second.token_ids == plain.token_ids
+    assert engine.stats().prefix_cache_queries == 2 * len(prompt)   # the scoring requests never looked it up
     assert_no_blocks_held(engine)
 
 
