@@ -10,7 +10,7 @@ import torch
 from fastapi.testclient import TestClient
 from tokenizers import AddedToken, Tokenizer
 
-from protos import router_pb2, router_pb2_grpc
+from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.http.app import create_app
 from router.http.fill_in_middle import fim_prompt
 from router.http.served_models import ServedModel
@@ -177,12 +177,14 @@ def test_completions_send_the_fim_prompt_upstream(fim_tokenizer, tokenizer_dir):
 
     async def generate(request, **_):
         sent.append(request)
-        yield router_pb2.GenerateResponse(index=0, text="x = 1", finish_reason=1)
+        yield router_pb2.GenerateResponse(index=0, text="x = 1",
+                                          finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
     with_fim = TestClient(create_app(generate, models=lambda: [ServedModel("fim", "", tokenizer)]))
     response = with_fim.post("/v1/completions", json={"prompt": "a = ", "suffix": "\nb = 2", "echo": True})
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "a = x = 1"
     assert list(sent[0].token_ids.ids) == [prefix, *tokenizer.encode("a = "), suffix, *tokenizer.encode("\nb = 2"),
                                            middle]
-    without = TestClient(create_app(generate, models=lambda: [ServedModel("plain", "", RouterTokenizer(tokenizer_dir))]))
+    plain = ServedModel("plain", "", RouterTokenizer(tokenizer_dir))
+    without = TestClient(create_app(generate, models=lambda: [plain]))
     assert without.post("/v1/completions", json={"prompt": "a = ", "suffix": "b"}).status_code == 400
