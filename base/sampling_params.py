@@ -40,6 +40,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)   # token id -> added to its logit
     min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens are out
     bad_words: tuple[str, ...] = ()     # no token sequence spelling one of these is sampled (vLLM's bad_words)
+    prompt_logprobs: int | None = None  # k: each prompt token's logprob and the top k (the first token has none)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,8 +70,10 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
         if not 1 <= self.n <= MAX_SAMPLES:
             raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         self.validate_stops()
@@ -123,7 +126,7 @@ class SamplingParams:
         }
         for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n",
-                     "min_tokens"):
+                     "min_tokens", "prompt_logprobs"):
             if msg.HasField(name):
                 kwargs[name] = getattr(msg, name)
         return cls(**kwargs)
@@ -146,4 +149,6 @@ class SamplingParams:
             msg.seed = self.seed
         if self.logprobs is not None:
             msg.logprobs = self.logprobs
+        if self.prompt_logprobs is not None:
+            msg.prompt_logprobs = self.prompt_logprobs
         return msg

@@ -10,6 +10,7 @@ from base.config import EngineConfig, init_request
 from base.prompt_checks import check_token_ids
 from base.sampling_params import SamplingParams
 from protos import scheduler_pb2, worker_pb2
+from protos.common_pb2 import TokenLogprob
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput
 
@@ -26,6 +27,7 @@ class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
     samples: list[SampleResult]
+    prompt_logprobs: list[TokenLogprob] | None = None   # when asked: one per prompt token after the first
 
     @property
     def token_ids(self) -> list[int]:
@@ -122,6 +124,8 @@ class Engine:
                     sample = results[out.request_id].samples[out.index]
                     sample.token_ids.extend(out.new_token_ids)
                     sample.finish_reason = out.finish_reason or sample.finish_reason
+                    if out.prompt_logprobs is not None:
+                        results[out.request_id].prompt_logprobs = out.prompt_logprobs
         for result in results.values():
             for sample in result.samples:
                 sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)

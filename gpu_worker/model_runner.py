@@ -9,9 +9,11 @@ import torch
 from base.sampling_params import SamplingParams
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import AttentionBatch
-from gpu_worker.sampler import SampleRow, sample
+from gpu_worker.sampler import SampleRow, prompt_token_logprobs, sample
 from kernels import torch_paged
-from protos import worker_pb2
+from protos import common_pb2, worker_pb2
+
+PROMPT_LOGITS_ROWS = 256   # prompt positions whose full-vocabulary logits are held at once
 
 
 @dataclass
@@ -24,6 +26,7 @@ class SequenceState:
     sample_index: int
     num_computed_tokens: int = 0
     kv_present_tokens: int = 0       # positions below this are already in (shared) blocks: don't store them
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None   # gathered over the prefill; None: not asked
 
 
 @dataclass
@@ -75,6 +78,9 @@ class ModelRunner:
             entry = result.sampled.add(seq_id=chunk.seq.seq_id, token_id=token)
             if logprob is not None:
                 entry.logprob.CopyFrom(logprob)
+            if chunk.seq.prompt_logprobs is not None:   # the prefill is complete: they go out once
+                entry.prompt_logprobs.extend(chunk.seq.prompt_logprobs)
+                chunk.seq.prompt_logprobs = None
         return result
 
     def register(self, req: worker_pb2.StepRequest) -> list[ScheduledChunk]:
@@ -83,6 +89,8 @@ class ModelRunner:
             seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                                 SamplingParams.from_proto(new.sampling), new.sample_index,
                                 kv_present_tokens=new.kv_present_tokens)
+            if wants_prompt_logprobs(new):
+                seq.prompt_logprobs = []
             self.seqs[new.seq_id] = seq
             chunks.append(ScheduledChunk(seq, new.num_computed_tokens, new.num_scheduled_tokens))
         for cached in req.cached_seqs:
@@ -99,10 +107,12 @@ class ModelRunner:
         chunks.sort(key=lambda c: (c.num_tokens > 1, c.end))
         input_ids, positions, slots = self.pack(chunks)
         batch = self.attention_batch(chunks, slots)
-        ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1
+        lengths = torch.tensor([c.num_tokens for c in chunks])
+        ends = lengths.cumsum(0) - 1
         sample_rows = ends[[i for i, c in enumerate(chunks) if c.samples]].to(self.device)
         started = time.perf_counter()   # the model's own time, what the step's bookkeeping is measured against
         hidden = self.model(input_ids, positions, self.pool.layers, batch)
+        self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
         logits = self.model.compute_logits(hidden[sample_rows]).cpu() if sample_rows.numel() else None
         self.forward_seconds = time.perf_counter() - started
         if logits is None:
@@ -110,6 +120,22 @@ class ModelRunner:
         rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index,
                           bitmasks.get(c.seq.seq_id)) for c in chunks if c.samples]
         return sample(logits, rows, self.generator, self.eos_token_ids)
+
+    def gather_prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, first_rows: list[int]
+                               ) -> None:
+        """Score the prompt tokens this step's chunks reach, for the sequences that asked: position p's logits
+        score token p + 1. Only their rows get logits; the rest of the batch pays nothing."""
+        for chunk, first_row in zip(chunks, first_rows):
+            seq = chunk.seq
+            stop = min(chunk.end, seq.num_prompt_tokens - 1)
+            if seq.prompt_logprobs is None or stop <= chunk.start:
+                continue
+            for start in range(chunk.start, stop, PROMPT_LOGITS_ROWS):
+                end = min(start + PROMPT_LOGITS_ROWS, stop)
+                rows = hidden[first_row + start - chunk.start:first_row + end - chunk.start]
+                logits = self.model.compute_logits(rows).cpu()
+                seq.prompt_logprobs.extend(prompt_token_logprobs(logits, seq.token_ids[start + 1:end + 1],
+                                                                 seq.params.prompt_logprobs))
 
     def pack(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         block_size = self.pool.block_size
@@ -169,6 +195,13 @@ class ModelRunner:
             return torch_paged.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size,
                                        window, masked=True)
         return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size, window or 0)
+
+
+def wants_prompt_logprobs(new: worker_pb2.NewSequence) -> bool:
+    """Sample 0 of a request that asked, prefilled from its first token (the scheduler skips prefix-cache hits for
+    it); one that already has output sent them before it was preempted."""
+    return (new.sampling.HasField("prompt_logprobs") and new.sample_index == 0 and new.num_computed_tokens == 0
+            and len(new.token_ids) == new.num_prompt_tokens)
 
 
 def decode_buckets(decodes: list[ScheduledChunk], max_buckets: int = 4,

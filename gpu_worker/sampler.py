@@ -1,5 +1,5 @@
 """Batched sampling: logit bias and masks (gpu_worker/logit_masks), penalties, greedy, temperature, top-k, top-p,
-min-p, per-request seeds, logprobs."""
+min-p, per-request seeds, logprobs; and prompt logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -119,3 +119,16 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, top: int) -> common_pb2
         values, ids = logprobs.topk(top)
         entry.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(ids.tolist(), values.tolist()))
     return entry
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[common_pb2.TokenLogprob]:
+    """Row i of logits scores targets[i]: its logprob and row i's top `top`, from the raw logits (no sampling
+    parameter applies to a prompt, as in vLLM)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    entries = [common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in zip(targets, chosen)]
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
+            entry.top.extend(common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(row_ids, row_values))
+    return entries

@@ -122,7 +122,8 @@ class Router:
             return StreamState(request_id, len(prompt_ids),
                                [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
                                                                    params.include_stop_str_in_output))
-                                for _ in range(params.n)], stream_interval=max(1, request.stream_interval))
+                                for _ in range(params.n)], stream_interval=max(1, request.stream_interval),
+                               scored_prompt=prompt_ids if params.prompt_logprobs is not None else None)
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=params.to_proto())

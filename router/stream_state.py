@@ -24,6 +24,7 @@ class StreamState:
     samples: list[SampleState]
     num_cached_tokens: int = 0
     stream_interval: int = 1   # tokens per response the client asked for
+    scored_prompt: list[int] | None = None   # the prompt, when it asked for prompt logprobs: sent once with them
 
     @property
     def done(self) -> bool:
@@ -48,6 +49,10 @@ class StreamState:
                                                token_ids=upstream.token_ids if whole else upstream.token_ids[:used],
                                                text=delta.text,
                                                logprobs=upstream.logprobs if whole else upstream.logprobs[:used])
+        if self.scored_prompt is not None and upstream.index == 0:   # sample 0's first message carries them
+            response.prompt_token_ids.extend(self.scored_prompt)
+            response.prompt_logprobs.extend(upstream.prompt_logprobs)
+            self.scored_prompt = None
         if delta.stop_string is not None:
             finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
         elif upstream.HasField("stop_token_id"):

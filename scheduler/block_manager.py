@@ -76,7 +76,7 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's leading tokens; the last token is always left to recompute."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and seq.reads_prefix_cache):
             return []
         self.update_hashes(seq)
         limit = (seq.num_tokens - 1) // self.block_size
@@ -123,7 +123,7 @@ class BlockManager:
             return False
         for block_id in hits:
             self.take(block_id)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.reads_prefix_cache:
             self.counters.queries += seq.num_tokens
             self.counters.hits += len(hits) * self.block_size
         seq.block_ids = list(hits)

@@ -247,6 +247,8 @@ class Scheduler:
                                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens)
         if sampled.HasField("logprob"):
             output.new_logprobs.append(sampled.logprob)
+        if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 1:
+            output.prompt_logprobs = list(sampled.prompt_logprobs)
         if not request.forked:
             self.fork(request, seq)
         grammar_done = self.structured.is_terminated(seq.seq_id)

@@ -16,4 +16,5 @@ class RequestOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None   # with sample 0's first token, when asked
     error: str | None = None                # the request failed (finish_reason "abort"): why

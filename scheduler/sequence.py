@@ -44,6 +44,12 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A cached prefix has no logits to score it with: a sequence scoring its prompt computes all of it, as in
+        vLLM (recomputing just those logits would cost the same forward pass). It still offers its blocks."""
+        return self.params.prompt_logprobs is None
+
 
 @dataclass(eq=False)
 class Request:

@@ -30,6 +30,8 @@ def to_response(out: RequestOutput, first: bool) -> scheduler_pb2.ScheduleRespon
     if first:
         response.num_prompt_tokens = out.num_prompt_tokens
         response.num_cached_tokens = out.num_cached_tokens
+    if out.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(out.prompt_logprobs)
     return response
 
 

@@ -48,10 +48,10 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
      "top_logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}], "max_tokens": 2},
      ["text content"], "messages[0].content"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     ["response_format"], "response_format"),
-    ("/completions", {"prompt": "hi", "logit_bias": {"50": 10}}, ["logit_bias"], "logit_bias"),
-    ("/completions", {"prompt": "hi", "echo": True}, ["echo"], "echo"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+     ["json_schema"], "response_format"),
+    ("/completions", {"prompt": "hi", "logit_bias": {"fifty": 10}}, ["logit_bias"], "logit_bias"),
+    ("/completions", {"prompt": "hi", "suffix": "x"}, ["fill-in-the-middle"], "suffix"),
 ])
 def test_bad_input_is_400_naming_the_problem(stack, path, body, words, param):
     error = assert_error(stack.post(path, body), 400, *words)

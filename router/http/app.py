@@ -16,6 +16,7 @@ from router.http.auth import ApiKeyMiddleware
 from router.http.body import MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import ClientGone, unless_disconnected
 from router.http.errors import APIError, install_error_handlers, reject_unsupported
+from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
 from router.http.schema import ChatCompletionRequest, CompletionRequest
 from router.http.served_models import ModelsFn, ServedModel
@@ -59,9 +60,14 @@ class OpenAIServer:
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        fmt = CompletionFormat(request_id, model, body.logprobs is not None, body.include_usage)
-        return await self.respond(request, body.generate_request(request_id, model.route_name), fmt, body.stream,
-                                  body.num_samples)
+        try:
+            generate_request = body.generate_request(request_id, model.route_name, model.tokenizer)
+        except NoFillInTheMiddle as e:
+            raise APIError(400, str(e), param="suffix") from e
+        fmt = CompletionFormat(request_id, model, body.logprobs is not None, body.include_usage,
+                               echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
+                               want_prompt_logprobs=body.prompt_logprobs is not None)
+        return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)

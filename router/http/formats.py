@@ -19,13 +19,21 @@ class Choice:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
+    prompt: list[common_pb2.TokenLogprob] = field(default_factory=list)   # scored (sample 0 only, when asked)
 
     def add(self, response: router_pb2.GenerateResponse) -> None:
         self.text += response.text
         self.logprobs.extend(response.logprobs)
+        if response.prompt_token_ids:
+            self.prompt = scored_prompt(response)
         if response.finish_reason:
             self.finish_reason = FINISH_REASON_NAMES.get(response.finish_reason)
             self.stop_reason = response.stop_reason or None
+
+
+def scored_prompt(response: router_pb2.GenerateResponse) -> list[common_pb2.TokenLogprob]:
+    """The prompt's tokens with their logprobs; the first token has none (its entry's logprob is not one)."""
+    return [common_pb2.TokenLogprob(token_id=response.prompt_token_ids[0]), *response.prompt_logprobs]
 
 
 @dataclass
@@ -65,7 +73,7 @@ class ResponseFormat:
     def chunk(self, response: router_pb2.GenerateResponse) -> dict[str, Any] | None:
         if response.HasField("usage"):
             self.usage = response.usage
-        if not (response.text or response.logprobs or response.finish_reason):
+        if not (response.text or response.logprobs or response.finish_reason or self.opens(response)):
             return None      # text held back (a possible stop string or half a character)
         choice = self.chunk_choice(response)
         if choice is None:
@@ -77,6 +85,10 @@ class ResponseFormat:
 
     def opening_chunks(self, num_samples: int) -> list[dict[str, Any]]:
         return []
+
+    def opens(self, response: router_pb2.GenerateResponse) -> bool:
+        """Whether this response's chunk carries something of the format's own even when the response is empty."""
+        return False
 
     def final_choice(self, choice: Choice) -> dict[str, Any]:
         raise NotImplementedError
@@ -90,8 +102,15 @@ class ResponseFormat:
 class CompletionFormat(ResponseFormat):
     object_name = chunk_object = "text_completion"
     text_offsets: dict[int, int] = field(default_factory=dict)
+    echo: str | None = None               # the prompt text each choice starts with (echo: true)
+    prompt_only: bool = False             # echo with max_tokens 0: the one token generated is dropped
+    want_prompt_logprobs: bool = False    # vLLM's `prompt_logprobs` on each choice
+    prompt: list[common_pb2.TokenLogprob] = field(default_factory=list)   # the scored prompt, once it came
+    echoed: set[int] = field(default_factory=set)   # streamed choices whose prompt went out
 
-    def logprobs_json(self, entries: list[common_pb2.TokenLogprob], offset: int = 0) -> dict[str, Any] | None:
+    def logprobs_json(self, entries: list[common_pb2.TokenLogprob], offset: int = 0,
+                      unscored_first: bool = False) -> dict[str, Any] | None:
+        """OpenAI's shape; with `unscored_first` the first entry is the prompt's first token, which has no logprob."""
         if not self.want_logprobs:
             return None
         tokens = [self.model.token_text(e.token_id) for e in entries]
@@ -99,20 +118,64 @@ class CompletionFormat(ResponseFormat):
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.model.token_text(t.token_id): t.logprob for t in e.top} for e in entries],
+        token_logprobs: list[float | None] = [e.logprob for e in entries]
+        top_logprobs: list[dict[str, float] | None] = [self.top_json(e) for e in entries]
+        if unscored_first and entries:
+            token_logprobs[0] = top_logprobs[0] = None
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
+    def top_json(self, entry: common_pb2.TokenLogprob) -> dict[str, float]:
+        return {self.model.token_text(t.token_id): t.logprob for t in entry.top}
+
+    def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's shape: None for the first token, then {token id: {logprob, decoded_token}} for each token and
+        its top k."""
+        def entry_json(e: common_pb2.TokenLogprob) -> dict[str, dict[str, Any]]:
+            scored = {str(t.token_id): {"logprob": t.logprob, "decoded_token": self.model.token_text(t.token_id)}
+                      for t in e.top}
+            scored[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": self.model.token_text(e.token_id)}
+            return scored
+        return [None, *(entry_json(e) for e in self.prompt[1:])]
+
+    def shown(self, text: str, entries: list[common_pb2.TokenLogprob], opening: bool
+              ) -> tuple[str, list[common_pb2.TokenLogprob]]:
+        """A choice's text and logprob entries as the client sees them: without the generated token when only the
+        prompt was asked for, after the prompt in the choice's opening with echo."""
+        if self.prompt_only:
+            text, entries = "", []
+        if opening and self.echo is not None:
+            text, entries = self.echo + text, self.prompt + entries
+        return text, entries
+
+    def body(self, collected: Collected) -> dict[str, Any]:
+        self.prompt = next((c.prompt for c in collected.choices if c.prompt), [])
+        return super().body(collected)
+
     def final_choice(self, choice: Choice) -> dict[str, Any]:
-        return {"index": choice.index, "text": choice.text, "logprobs": self.logprobs_json(choice.logprobs),
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        text, entries = self.shown(choice.text, choice.logprobs, opening=True)
+        extra = {"prompt_logprobs": self.prompt_logprobs_json()} if self.want_prompt_logprobs else {}
+        return {"index": choice.index, "text": text,
+                "logprobs": self.logprobs_json(entries, unscored_first=self.echo is not None),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason, **extra}
+
+    def chunk(self, response: router_pb2.GenerateResponse) -> dict[str, Any] | None:
+        if response.prompt_token_ids:   # sample 0's first response: before any choice's opening
+            self.prompt = scored_prompt(response)
+        return super().chunk(response)
+
+    def opens(self, response: router_pb2.GenerateResponse) -> bool:
+        return self.echo is not None and response.index not in self.echoed
 
     def chunk_choice(self, response: router_pb2.GenerateResponse) -> dict[str, Any]:
+        opening = self.opens(response)
+        self.echoed.add(response.index)
+        text, entries = self.shown(response.text, list(response.logprobs), opening)
         offset = self.text_offsets.get(response.index, 0)
-        logprobs = self.logprobs_json(list(response.logprobs), offset)
+        logprobs = self.logprobs_json(entries, offset, unscored_first=opening)
         if logprobs is not None and logprobs["tokens"]:
             self.text_offsets[response.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        return {"index": response.index, "text": response.text, "logprobs": logprobs,
+        return {"index": response.index, "text": text, "logprobs": logprobs,
                 "finish_reason": FINISH_REASON_NAMES.get(response.finish_reason),
                 "stop_reason": response.stop_reason or None}
 

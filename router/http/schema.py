@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protos import common_pb2, router_pb2
 from router.http.constraints import ResponseFormat, StructuredOutputs, add_constraints
+from router.http.fill_in_middle import fim_prompt
+from router.tokenizer import RouterTokenizer
 
 UINT32_MAX = 2**32 - 1
 INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -91,27 +93,53 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: UINT32 | None = None
+    prompt_logprobs: TOP_LOGPROBS | None = None   # vLLM's extra field: each prompt token's logprob and top k
 
     def unsupported(self) -> tuple[str, str] | None:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
             if len(self.prompt) != 1:
                 return "prompt", "a batch of prompts is not supported: send one prompt per request"
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.suffix:
-            return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.num_samples:
             return "best_of", "best_of other than n is not supported"
         if self.tools:
             return "tools", "tools are for /v1/chat/completions"
+        if self.stream and self.prompt_logprobs is not None:
+            return "prompt_logprobs", "prompt_logprobs is not available when streaming: use echo with logprobs"
         return None
 
-    def generate_request(self, request_id: str, model: str) -> router_pb2.GenerateRequest:
+    @property
+    def single_prompt(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and len(self.prompt) == 1 and isinstance(self.prompt[0], (str, list)):
+            return self.prompt[0]
+        return self.prompt
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt scored and nothing generated (how lm-eval-harness scores text)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def prompt_top_logprobs(self) -> int | None:
+        """What the prompt's scoring asks for: the extra field, else echo's share of logprobs (as vLLM)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    def echo_text(self, tokenizer: RouterTokenizer) -> str | None:
+        if not self.echo:
+            return None
+        prompt = self.single_prompt
+        return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+    def generate_request(self, request_id: str, model: str, tokenizer: RouterTokenizer) -> router_pb2.GenerateRequest:
+        """ValueError if a suffix is given and the model has no fill-in-the-middle tokens."""
+        max_tokens = 1 if self.prompt_only else self.max_tokens   # its one token is dropped from the response
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
-                                             sampling=self.sampling(self.max_tokens, self.logprobs),
+                                             sampling=self.sampling(max_tokens, self.logprobs),
                                              stream_interval=self.stream_interval or 0)
-        prompt = self.prompt[0] if isinstance(self.prompt, list) and len(self.prompt) == 1 \
-            and isinstance(self.prompt[0], (str, list)) else self.prompt
+        if self.prompt_top_logprobs is not None:
+            request.sampling.prompt_logprobs = self.prompt_top_logprobs
+        prompt = fim_prompt(self.single_prompt, self.suffix, tokenizer) if self.suffix else self.single_prompt
         if isinstance(prompt, str):
             request.text = prompt
         else:
