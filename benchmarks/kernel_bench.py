@@ -24,12 +24,20 @@ KNOWN_PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H10
 
 
 @dataclass
-class DecodeResult:
-    head_dim: int
-    context_len: int
+class DecodeShape:
+    """One measured decode step: batch sequences of context_len tokens each, in blocks of block_size."""
     batch: int
+    context_len: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+
+@dataclass
+class DecodeResult:
+    shape: DecodeShape
     paged_us: float
     sdpa_us: float
     gb_moved: float
@@ -43,6 +51,12 @@ class DecodeResult:
     @property
     def ratio_to_sdpa(self) -> float:
         return self.paged_us / self.sdpa_us
+
+    def as_row(self) -> dict:
+        """The shape and the measurements in one flat row (the --json file's)."""
+        measured = {name: value for name, value in asdict(self).items() if name != "shape"}
+        return asdict(self.shape) | measured | {"fraction_of_peak": self.fraction_of_peak,
+                                                "ratio_to_sdpa": self.ratio_to_sdpa}
 
 
 def peak_bandwidth_gbps(device: torch.device) -> float:
@@ -62,9 +76,10 @@ def time_us(fn) -> float:
     return do_bench(fn, warmup=25, rep=200) * 1e3
 
 
-def make_paged_inputs(batch: int, context_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                      block_size: int, dtype: torch.dtype, device: torch.device):
+def make_paged_inputs(shape: DecodeShape, device: torch.device):
     """Dense K/V [batch, kv_heads, context, head_dim] and the same tokens scattered over a shuffled pool."""
+    batch, context_len, num_kv_heads, head_dim = shape.batch, shape.context_len, shape.num_kv_heads, shape.head_dim
+    block_size, dtype = shape.block_size, getattr(torch, shape.dtype)
     blocks_per_seq = -(-context_len // block_size)
     num_blocks = batch * blocks_per_seq
     keys = torch.randn(batch, num_kv_heads, context_len, head_dim, dtype=dtype, device=device)
@@ -76,38 +91,34 @@ def make_paged_inputs(batch: int, context_len: int, num_heads: int, num_kv_heads
     blocks = block_tables.long()[:, positions // block_size]                       # [batch, context]
     k_cache[blocks, positions % block_size] = keys.transpose(1, 2)
     v_cache[blocks, positions % block_size] = values.transpose(1, 2)
-    query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=device)
+    query = torch.randn(batch, shape.num_heads, head_dim, dtype=dtype, device=device)
     context_lens = torch.full((batch,), context_len, dtype=torch.int32, device=device)
     return query, keys, values, k_cache, v_cache, block_tables, context_lens
 
 
-def bench_decode(batch: int, context_len: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, peak_gbps: float) -> DecodeResult:
+def bench_decode(shape: DecodeShape, peak_gbps: float) -> DecodeResult:
     from kernels import triton_paged
-    device = torch.device("cuda")
-    query, keys, values, k_cache, v_cache, block_tables, context_lens = make_paged_inputs(
-        batch, context_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device)
-    scale = head_dim ** -0.5
+    query, keys, values, k_cache, v_cache, block_tables, context_lens = make_paged_inputs(shape, torch.device("cuda"))
+    scale = shape.head_dim ** -0.5
 
     def paged():
         return triton_paged.paged_attention_decode(query, k_cache, v_cache, block_tables, context_lens, scale)
 
     def dense():
         return F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, scale=scale,
-                                              enable_gqa=num_heads != num_kv_heads)
+                                              enable_gqa=shape.num_heads != shape.num_kv_heads)
 
     torch.testing.assert_close(paged().float(), dense().squeeze(2).float(), atol=2e-2, rtol=2e-2)
-    element = torch.finfo(dtype).bits // 8
-    kv_bytes = 2 * batch * context_len * num_kv_heads * head_dim * element
+    element = torch.finfo(query.dtype).bits // 8
+    kv_bytes = 2 * keys.numel() * element                                          # K and V
     other_bytes = 2 * query.numel() * element + block_tables.numel() * 4
     gb = (kv_bytes + other_bytes) / 1e9
     paged_us = time_us(paged)
-    return DecodeResult(head_dim, context_len, batch, num_heads, num_kv_heads, paged_us, time_us(dense), gb,
-                        gb / (paged_us * 1e-6), peak_gbps)
+    return DecodeResult(shape, paged_us, time_us(dense), gb, gb / (paged_us * 1e-6), peak_gbps)
 
 
 def format_row(result: DecodeResult) -> str:
-    return (f"{result.head_dim:>8} {result.context_len:>8} {result.paged_us:>10.1f} {result.sdpa_us:>10.1f} "
+    return (f"{result.shape.head_dim:>8} {result.shape.context_len:>8} {result.paged_us:>10.1f} {result.sdpa_us:>10.1f} "
             f"{result.achieved_gbps:>9.0f} {100 * result.fraction_of_peak:>7.1f}% {result.ratio_to_sdpa:>9.2f}x")
 
 
@@ -132,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
               "The CPU decode kernel has its own: python -m benchmarks.cpu_decode_bench")
         return 0
     peak = args.peak_gbps or peak_bandwidth_gbps(torch.device("cuda"))
-    dtype = getattr(torch, args.dtype)
     print(f"device: {torch.cuda.get_device_name()}  peak {peak:.0f} GB/s  batch {args.batch}  "
           f"heads {args.num_heads}/{args.num_kv_heads}  block {args.block_size}  {args.dtype}")
     print(f"{'head_dim':>8} {'context':>8} {'paged us':>10} {'sdpa us':>10} {'GB/s':>9} {'of peak':>8} "
@@ -140,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for head_dim in args.head_dims:
         for context_len in args.contexts:
-            result = bench_decode(args.batch, context_len, args.num_heads, args.num_kv_heads, head_dim,
-                                  args.block_size, dtype, peak)
+            shape = DecodeShape(args.batch, context_len, args.num_heads, args.num_kv_heads, head_dim,
+                                args.block_size, args.dtype)
+            result = bench_decode(shape, peak)
             results.append(result)
             print(format_row(result), flush=True)
     if args.json:
-        rows = [asdict(r) | {"fraction_of_peak": r.fraction_of_peak, "ratio_to_sdpa": r.ratio_to_sdpa}
-                for r in results]
+        rows = [result.as_row() for result in results]
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "results": rows}, f, indent=2)
     return 0
