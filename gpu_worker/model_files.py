@@ -60,15 +60,13 @@ def find_default_gguf() -> Path:
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
     """Dequantize a GGUF checkpoint into an HF safetensors directory; atomic, so concurrent callers are safe."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                     config=gguf_config(gguf_file))
-        save_dequantized(model, staging)
+        write_checkpoint(gguf_file, staging)
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(target)
@@ -79,31 +77,38 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def gguf_config(gguf_file: Path):
-    """transformers' config of the file, with the head size the file states: transformers' GGUF reader leaves
-    `attention.key_length` out for some architectures (Qwen3), whose configs would keep their default head_dim."""
-    from gguf import GGUFReader
+def write_checkpoint(gguf_file: Path, directory: Path) -> None:
+    """The file's weights (dequantized to float32), config and generation config as an HF checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_worker.gguf_config import GgufFile
+    from gpu_worker.gguf_experts import convert_mixtral, has_stacked_experts
+
+    contents = GgufFile.open(gguf_file)
+    if has_stacked_experts(contents):   # Mixtral, which transformers' GGUF loader would read as a dense Llama
+        convert_mixtral(gguf_file, contents, directory)
+        return
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                 config=gguf_config(gguf_file, contents))
+    save_dequantized(model, directory)
+
+
+def gguf_config(gguf_file: Path, contents):
+    """transformers' config of the file, completed with what its GGUF reader leaves out (gguf_config.py)."""
     from transformers import AutoConfig
 
+    from gpu_worker.gguf_config import complete_config
+
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    reader = GGUFReader(gguf_file)
-    architecture = reader.fields["general.architecture"].contents()
-    key_length = reader.fields.get(f"{architecture}.attention.key_length")
-    if key_length is not None and hasattr(config, "head_dim"):
-        config.head_dim = int(key_length.contents())
+    complete_config(config, contents)
     return config
 
 
 def save_dequantized(model, directory: Path) -> None:
-    # transformers refuses save_pretrained on a GGUF-loaded model; its weights are already dequantized.
-    from safetensors.torch import save_file
-
-    state = {name: t.contiguous() for name, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(directory)
-    model.generation_config.save_pretrained(directory)
+    """Saved as transformers saves a checkpoint (per-expert tensors and all), the layout the families read. Its
+    weights are plain float tensors already; transformers only refuses to save a model it loaded from GGUF."""
+    model.hf_quantizer = None
+    model._weight_conversions = None   # the default conversions, as for a model built in this process
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(directory)
