@@ -43,6 +43,8 @@ def complete_config(config, gguf_file: GgufFile) -> None:
         set_gemma3_global_rope(config, gguf_file)
     if gguf_file.arch == "phi3" and gguf_file.tensor("rope_factors_long.weight") is not None:
         set_phi3_longrope(config, gguf_file)
+    if (frequency_factors := gguf_file.tensor("rope_freqs.weight")) is not None:
+        set_rope_frequency_factors(config, frequency_factors)
 
 
 def set_gemma_attention(config, gguf_file: GgufFile) -> None:
@@ -70,3 +72,13 @@ def set_phi3_longrope(config, gguf_file: GgufFile) -> None:
         "rope_type": "longrope", "original_max_position_embeddings": original,
         "short_factor": gguf_file.tensor("rope_factors_short.weight").tolist(),
         "long_factor": gguf_file.tensor("rope_factors_long.weight").tolist()}
+
+
+def set_rope_frequency_factors(config, factors: np.ndarray) -> None:
+    """Llama 3's rope scaling, which llama.cpp's converter stores only as a divisor of each frequency
+    (`rope_freqs`): LongRoPE with those factors at every position (no long context, no attention factor) is the
+    same rotation."""
+    config.rope_parameters = {
+        "rope_type": "longrope", "rope_theta": config.rope_parameters["rope_theta"],
+        "short_factor": factors.tolist(), "long_factor": factors.tolist(),
+        "original_max_position_embeddings": config.max_position_embeddings}

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.gguf_config import GgufFile
+from gpu_worker.gguf_config import GgufFile, complete_config
 
 EXPERT_WEIGHTS = {"gate": "w1", "down": "w2", "up": "w3"}   # llama.cpp's ffn_{x}_exps -> Mixtral's experts.E.{w}
 STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|down|up)_exps\.weight")
@@ -28,6 +28,7 @@ def convert_mixtral(path: Path, gguf_file: GgufFile, directory: Path) -> None:
     from transformers import AutoConfig, GenerationConfig
 
     llama = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    complete_config(llama, gguf_file)
     config = mixtral_config(llama, gguf_file)
     state = llama_tensors(path, llama) | mixture_tensors(gguf_file)
     if config.tie_word_embeddings:

@@ -27,6 +27,9 @@ __all__ = ["prompts"]   # the shared fixture
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 SOURCES = {  # what llama.cpp can express: every Qwen3-MoE layer sparse, Gemma 3's local:global pattern 5:1
     "llama": lambda: LlamaConfig(head_dim=HEAD_DIM, **COMMON),
+    "llama3": lambda: LlamaConfig(head_dim=HEAD_DIM, **COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),   # of its 8 frequencies: 1 kept, 2 smoothed, 5 scaled
     "mistral": lambda: MistralConfig(head_dim=HEAD_DIM, **COMMON, sliding_window=None),
     "mixtral": FAMILIES["mixtral"],
     "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=HEAD_DIM, **COMMON, num_experts=4, num_experts_per_tok=2,
@@ -86,6 +89,24 @@ def phi3_rope_factors(config) -> dict[str, np.ndarray]:
             "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
 
 
+def llama3_rope_freqs(config) -> dict[str, np.ndarray]:
+    """Llama 3's rope scaling as llama.cpp's converter stores it: each frequency's divisor."""
+    rope = config.rope_parameters
+    dim, original = head_dim(config), rope["original_max_position_embeddings"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    factors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1)
+        elif wavelen > original / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return {"rope_freqs.weight": np.array(factors, dtype=np.float32)}
+
+
 def gemma2_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_sliding_window(config.sliding_window)
     writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -102,6 +123,7 @@ def gemma3_metadata(writer: gguf.GGUFWriter, config) -> None:
 
 LAYOUTS = {
     "llama": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True),
+    "llama3": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, extra_tensors=llama3_rope_freqs),
     "mistral": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, name="Mistral 7B Instruct v0.3"),
     "mixtral": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True),
     "qwen3_moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, qwen3moe_metadata),
@@ -209,7 +231,7 @@ def served_from_gguf(tmp_path, monkeypatch, family: str, quantize: bool = False)
     return engine, model
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "mixtral"])
 def test_a_gguf_file_of_each_family_is_served_token_exact_against_transformers(tmp_path, monkeypatch, prompts,
                                                                                family):
     engine, model = served_from_gguf(tmp_path, monkeypatch, family)
