@@ -1,8 +1,8 @@
 """Mixtral from GGUF. llama.cpp writes it as the `llama` architecture with `expert_count` in the metadata and each
-layer's experts stacked in `blk.N.ffn_{gate,up,down}_exps.weight` [experts, out, in], which transformers' GGUF
-loader does not map: it would build a dense Llama and leave its MLPs at their random init. transformers reads the
-rest as a Llama (config, tokenizer, attention un-permuted); here the stacked experts are dequantized by gguf and
-split under Mixtral's checkpoint names."""
+layer's experts stacked in `blk.N.ffn_{gate,up,down}_exps.weight` [experts, out, in] (files from before April 2024:
+one `blk.N.ffn_{gate,up,down}.E.weight` per expert), which transformers' GGUF loader does not map: it would build a
+dense Llama and leave its MLPs at their random init. transformers reads the rest as a Llama (config, tokenizer,
+attention un-permuted); here the experts are dequantized by gguf and split under Mixtral's checkpoint names."""
 from __future__ import annotations
 
 import re
@@ -14,11 +14,11 @@ import torch
 from gpu_worker.gguf_config import GgufFile, complete_config
 
 EXPERT_WEIGHTS = {"gate": "w1", "down": "w2", "up": "w3"}   # llama.cpp's ffn_{x}_exps -> Mixtral's experts.E.{w}
-STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|down|up)_exps\.weight")
+EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|down|up)(_exps|\.(?P<expert>\d+))\.weight")
 ROUTER = re.compile(r"blk\.(?P<layer>\d+)\.ffn_gate_inp\.weight")
 
 
-def has_stacked_experts(gguf_file: GgufFile) -> bool:
+def has_experts(gguf_file: GgufFile) -> bool:
     return gguf_file.arch == "llama" and bool(gguf_file.value("expert_count"))
 
 
@@ -70,10 +70,11 @@ def mixture_tensors(gguf_file: GgufFile) -> dict[str, torch.Tensor]:
         if match := ROUTER.fullmatch(tensor.name):
             state[f"model.layers.{match['layer']}.block_sparse_moe.gate.weight"] = as_torch(
                 dequantize(tensor.data, tensor.tensor_type))
-        elif match := STACKED_EXPERTS.fullmatch(tensor.name):
-            stacked = dequantize(tensor.data, tensor.tensor_type)
+        elif match := EXPERTS.fullmatch(tensor.name):
+            weights = dequantize(tensor.data, tensor.tensor_type)
+            experts = {int(match["expert"]): weights} if match["expert"] else dict(enumerate(weights))
             prefix = f"model.layers.{match['layer']}.block_sparse_moe.experts"
-            state |= {f"{prefix}.{e}.{EXPERT_WEIGHTS[match['part']]}.weight": as_torch(w) for e, w in enumerate(stacked)}
+            state |= {f"{prefix}.{e}.{EXPERT_WEIGHTS[match['part']]}.weight": as_torch(w) for e, w in experts.items()}
     return state
 
 

@@ -82,10 +82,10 @@ def write_checkpoint(gguf_file: Path, directory: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from gpu_worker.gguf_config import GgufFile
-    from gpu_worker.gguf_experts import convert_mixtral, has_stacked_experts
+    from gpu_worker.gguf_experts import convert_mixtral, has_experts
 
     contents = GgufFile.open(gguf_file)
-    if has_stacked_experts(contents):   # Mixtral, which transformers' GGUF loader would read as a dense Llama
+    if has_experts(contents):   # Mixtral, which transformers' GGUF loader would read as a dense Llama
         convert_mixtral(gguf_file, contents, directory)
         return
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,

@@ -32,6 +32,7 @@ SOURCES = {  # what llama.cpp can express: every Qwen3-MoE layer sparse, Gemma 3
         "original_max_position_embeddings": 64}),   # of its 8 frequencies: 1 kept, 2 smoothed, 5 scaled
     "mistral": lambda: MistralConfig(head_dim=HEAD_DIM, **COMMON, sliding_window=None),
     "mixtral": FAMILIES["mixtral"],
+    "mixtral_per_expert": FAMILIES["mixtral"],
     "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=HEAD_DIM, **COMMON, num_experts=4, num_experts_per_tok=2,
                                         moe_intermediate_size=32, norm_topk_prob=True),
     "phi3": FAMILIES["phi3"],
@@ -54,6 +55,7 @@ class Layout:
     norms_plus_one: bool = False
     extra_tensors: Callable = lambda config: {}
     name: str = "tiny"
+    stacked_experts: bool = True   # False: one tensor per expert, as llama.cpp wrote Mixtral before April 2024
 
 
 def head_dim(config) -> int:
@@ -126,6 +128,7 @@ LAYOUTS = {
     "llama3": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, extra_tensors=llama3_rope_freqs),
     "mistral": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, name="Mistral 7B Instruct v0.3"),
     "mixtral": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True),
+    "mixtral_per_expert": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, stacked_experts=False),
     "qwen3_moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, qwen3moe_metadata),
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, gemma2_metadata, norms_plus_one=True),
@@ -153,9 +156,17 @@ def stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return stacked
 
 
+def gguf_name(names: gguf.TensorNameMap, name: str) -> str:
+    if match := re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w\d)\.weight", name):
+        part = {"w1": "gate", "w2": "down", "w3": "up"}[match[3]]
+        return f"blk.{match[1]}.ffn_{part}.{match[2]}.weight"
+    return names.get_name(name, try_suffixes=(".weight", ".bias"))
+
+
 def gguf_tensors(model_dir, config, layout: Layout) -> dict[str, np.ndarray]:
     """The checkpoint transformers saved, under llama.cpp's names and in its layouts."""
-    state = stack_experts({name: t.numpy() for name, t in load_file(model_dir / "model.safetensors").items()})
+    state = {name: t.numpy() for name, t in load_file(model_dir / "model.safetensors").items()}
+    state = stack_experts(state) if layout.stacked_experts else state
     names = gguf.get_tensor_name_map(layout.arch, config.num_hidden_layers)
     tensors = {}
     for name, tensor in state.items():
@@ -164,7 +175,7 @@ def gguf_tensors(model_dir, config, layout: Layout) -> dict[str, np.ndarray]:
             tensor = permute_for_llama_cpp(tensor, heads)
         if layout.norms_plus_one and name.endswith("norm.weight"):
             tensor = tensor + 1
-        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = tensor.astype(np.float32)
+        tensors[gguf_name(names, name)] = tensor.astype(np.float32)
     return tensors | layout.extra_tensors(config)
 
 
@@ -231,7 +242,8 @@ def served_from_gguf(tmp_path, monkeypatch, family: str, quantize: bool = False)
     return engine, model
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "gemma2", "gemma3_text",
+                                    "mixtral", "mixtral_per_expert"])
 def test_a_gguf_file_of_each_family_is_served_token_exact_against_transformers(tmp_path, monkeypatch, prompts,
                                                                                family):
     engine, model = served_from_gguf(tmp_path, monkeypatch, family)
