@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +21,7 @@ from base.sampling_params import SamplingParams
 from protos import router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo
+from router.chat_messages import chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, OverLimit
@@ -264,40 +264,6 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
     if not ids:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
     return ids
-
-
-def chat_template_inputs(chat: router_pb2.ChatMessages) -> tuple[list[dict], list[dict] | None]:
-    """The messages and tools a chat template takes, as transformers' apply_chat_template gets them."""
-    try:
-        tools = json.loads(chat.tools) if chat.tools else None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"chat tools are not valid JSON: {e}") from e
-    if tools is not None and not isinstance(tools, list):
-        raise ValueError("chat tools must be a JSON list")
-    return [template_message(m) for m in chat.messages], tools
-
-
-def template_message(message: router_pb2.ChatMessage) -> dict:
-    rendered: dict = {"role": message.role, "content": message.content}
-    if message.tool_calls:
-        rendered["tool_calls"] = [{"id": call.id, "type": "function",
-                                   "function": {"name": call.name, "arguments": parsed_arguments(call.arguments)}}
-                                  for call in message.tool_calls]
-    if message.tool_call_id:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name:
-        rendered["name"] = message.name
-    return rendered
-
-
-def parsed_arguments(arguments: str) -> dict | str:
-    """Templates expect a call's arguments as a dict (transformers' rule, which vLLM follows); text that is not
-    a JSON object stays text."""
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from protos import router_pb2
-from router.core import chat_template_inputs
+from router.chat_messages import chat_template_inputs
 from router.http.errors import APIError
 from router.http.formats import ChatFormat, Choice, Collected
 from router.http.schema import ChatCompletionRequest

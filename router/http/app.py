@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protos import router_pb2
-from router.core import chat_template_inputs
+from router.chat_messages import chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import ClientGone, unless_disconnected
