@@ -41,6 +41,8 @@ def complete_config(config, gguf_file: GgufFile) -> None:
         set_gemma_attention(config, gguf_file)
     if gguf_file.arch == "gemma3":
         set_gemma3_global_rope(config, gguf_file)
+    if gguf_file.arch == "phi3":   # Phi-3 mini 4k's window (2047) applies on every layer, in llama.cpp too
+        config.sliding_window = gguf_file.value("attention.sliding_window", config.sliding_window)
     if gguf_file.arch == "phi3" and gguf_file.tensor("rope_factors_long.weight") is not None:
         set_phi3_longrope(config, gguf_file)
     if (frequency_factors := gguf_file.tensor("rope_freqs.weight")) is not None:

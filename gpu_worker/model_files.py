@@ -78,7 +78,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
 
 
 def write_checkpoint(gguf_file: Path, directory: Path) -> None:
-    """The file's weights (dequantized to float32), config and generation config as an HF checkpoint."""
+    """The file's weights (dequantized), config and generation config as an HF checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from gpu_worker.gguf_config import GgufFile

@@ -25,6 +25,11 @@ from tests.test_model_families import (COMMON, FAMILIES, GREEDY, HEAD_DIM, MAX_T
 __all__ = ["prompts"]   # the shared fixture
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+def with_sliding_window(config):
+    config.sliding_window = WINDOW
+    return config
+
+
 SOURCES = {  # what llama.cpp can express: every Qwen3-MoE layer sparse, Gemma 3's local:global pattern 5:1
     "llama": lambda: LlamaConfig(head_dim=HEAD_DIM, **COMMON),
     "llama3": lambda: LlamaConfig(head_dim=HEAD_DIM, **COMMON, rope_parameters={
@@ -36,6 +41,7 @@ SOURCES = {  # what llama.cpp can express: every Qwen3-MoE layer sparse, Gemma 3
     "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=HEAD_DIM, **COMMON, num_experts=4, num_experts_per_tok=2,
                                         moe_intermediate_size=32, norm_topk_prob=True),
     "phi3": FAMILIES["phi3"],
+    "phi3_windowed": lambda: with_sliding_window(FAMILIES["phi3"]()),   # Phi-3 mini 4k's window is 2047
     "gemma2": FAMILIES["gemma2"],
     "gemma3_text": lambda: Gemma3TextConfig(
         head_dim=HEAD_DIM, **COMMON | dict(num_hidden_layers=6, tie_word_embeddings=True), sliding_window=WINDOW,
@@ -78,6 +84,8 @@ def qwen3moe_metadata(writer: gguf.GGUFWriter, config) -> None:
 
 def phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
     rope = config.rope_parameters
+    if config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_rope_dimension_count(head_dim(config))
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
@@ -131,6 +139,7 @@ LAYOUTS = {
     "mixtral_per_expert": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, stacked_experts=False),
     "qwen3_moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, qwen3moe_metadata),
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
+    "phi3_windowed": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, gemma2_metadata, norms_plus_one=True),
     "gemma3_text": Layout(gguf.MODEL_ARCH.GEMMA3, gemma3_metadata, norms_plus_one=True),
 }
@@ -242,8 +251,8 @@ def served_from_gguf(tmp_path, monkeypatch, family: str, quantize: bool = False)
     return engine, model
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "gemma2", "gemma3_text",
-                                    "mixtral", "mixtral_per_expert"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "phi3_windowed", "gemma2",
+                                    "gemma3_text", "mixtral", "mixtral_per_expert"])
 def test_a_gguf_file_of_each_family_is_served_token_exact_against_transformers(tmp_path, monkeypatch, prompts,
                                                                                family):
     engine, model = served_from_gguf(tmp_path, monkeypatch, family)
