@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 from unittest.mock import patch
 
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, MistralConfig,
                           Qwen3MoeConfig)
 
 from tests.conftest import transformers_greedy
-from tests.test_model_families import (COMMON, FAMILIES, GREEDY, HEAD_DIM, MAX_TOKENS, WINDOW, build_tiny_model,
-                                       prompts, tiny_engine)
+from tests.model_families_fixtures import (COMMON, FAMILIES, GREEDY, HEAD_DIM, MAX_TOKENS, WINDOW, build_tiny_model,
+                                           prompts, tiny_engine)
 
 __all__ = ["prompts"]   # the shared fixture
 
@@ -40,6 +40,7 @@ SOURCES = {  # what llama.cpp can express: every Qwen3-MoE layer sparse, Gemma 3
     "mixtral_per_expert": FAMILIES["mixtral"],
     "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=HEAD_DIM, **COMMON, num_experts=4, num_experts_per_tok=2,
                                         moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen3": FAMILIES["qwen3"],
     "phi3": FAMILIES["phi3"],
     "phi3_windowed": lambda: with_sliding_window(FAMILIES["phi3"]()),   # Phi-3 mini 4k's window is 2047
     "gemma2": FAMILIES["gemma2"],
@@ -137,6 +138,8 @@ LAYOUTS = {
     "mistral": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, name="Mistral 7B Instruct v0.3"),
     "mixtral": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True),
     "mixtral_per_expert": Layout(gguf.MODEL_ARCH.LLAMA, llama_metadata, permute_qk=True, stacked_experts=False),
+    "qwen3": Layout(gguf.MODEL_ARCH.QWEN3, lambda writer, config: writer.add_vocab_size(config.vocab_size),
+                    name="tiny-qwen3"),
     "qwen3_moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, qwen3moe_metadata),
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
     "phi3_windowed": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
@@ -258,6 +261,15 @@ def test_a_gguf_file_of_each_family_is_served_token_exact_against_transformers(t
     engine, model = served_from_gguf(tmp_path, monkeypatch, family)
     expected = transformers_greedy(model, prompts, MAX_TOKENS)
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+
+
+def test_a_qwen3_gguf_file_is_served_token_exact_against_transformers(tmp_path, prompts, monkeypatch):
+    """A GGUF file as --model: dequantized once into the cache (its head size read from the file, which
+    transformers' GGUF config leaves out), then served like the HF directory it was written from."""
+    engine, model = served_from_gguf(tmp_path, monkeypatch, "qwen3")
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == transformers_greedy(model, prompts, MAX_TOKENS)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert engine.encode("hello world") == hf_tokenizer("hello world", add_special_tokens=False).input_ids
 
 
 def q8_0_round_trip(model) -> torch.nn.Module:
