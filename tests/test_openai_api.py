@@ -4,68 +4,15 @@ serving gRPC and HTTP), driven by the official `openai` client, and by raw HTTP 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.services_fixtures import API_KEY, start_http_stack
+from tests.openai_fixtures import reference, stack
+from tests.services_fixtures import API_KEY
 
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir):
-    with start_http_stack(tiny_llama_dir) as http_stack:
-        yield http_stack
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    return Reference(tiny_llama_dir)
-
-
-class Reference:
-    """Greedy decoding and logprobs straight from Hugging Face transformers."""
-
-    def __init__(self, model_dir):
-        import torch
-        from transformers import AutoTokenizer, LlamaForCausalLM
-
-        self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=True)["input_ids"])
-
-    def greedy(self, prompt_ids: list[int], max_tokens: int, repetition_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> tuple[list[int], list[list[float]]]:
-        """Token ids and, per generated token, the log-probabilities over the vocabulary (after penalties:
-        repetition over prompt and output as in transformers, presence/frequency over the output as in OpenAI)."""
-        from transformers import RepetitionPenaltyLogitsProcessor
-
-        ids, logprobs = list(prompt_ids), []
-        with self.torch.no_grad():
-            for _ in range(max_tokens):
-                logits = self.model(self.torch.tensor([ids])).logits[0, -1]
-                if repetition_penalty != 1.0:
-                    logits = RepetitionPenaltyLogitsProcessor(repetition_penalty)(self.torch.tensor([ids]),
-                                                                                 logits[None])[0]
-                for token, count in Counter(ids[len(prompt_ids):]).items():
-                    logits[token] -= frequency_penalty * count + presence_penalty
-                row = self.torch.log_softmax(logits.float(), dim=-1)
-                ids.append(int(row.argmax()))
-                logprobs.append(row.tolist())
-                if ids[-1] == self.tokenizer.eos_token_id:
-                    break
-        return ids[len(prompt_ids):], logprobs
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+__all__ = ["reference", "stack"]   # the shared fixtures
 
 
 def sse_payloads(response: httpx.Response) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from tokenizers import AddedToken, Tokenizer
 
@@ -16,37 +15,12 @@ from router.http.fill_in_middle import fim_prompt
 from router.http.served_models import ServedModel
 from router.tokenizer import RouterTokenizer
 from tests.conftest import build_tiny_tokenizer
-from tests.services_fixtures import API_KEY, collect, greedy, start_http_stack, wait_until
+from tests.openai_fixtures import reference, stack
+from tests.services_fixtures import API_KEY, collect, greedy, wait_until
+
+__all__ = ["reference", "stack"]   # the shared fixtures
 
 PROMPT = "Paris is the capital of"
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir):
-    with start_http_stack(tiny_llama_dir) as http_stack:
-        yield http_stack
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    class Reference:
-        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-        model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-        def ids(self, text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-
-        def rows(self, ids: list[int]) -> torch.Tensor:
-            """Row i: log-probabilities of the token after ids[:i + 1]."""
-            with torch.no_grad():
-                return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-        def text(self, token_id: int) -> str:
-            return self.tokenizer.decode([token_id])
-
-    return Reference()
 
 
 def completion(stack, **body) -> dict:
@@ -70,7 +44,7 @@ def streamed_choice(stack, **body) -> tuple[list[dict], str, dict]:
 
 
 def test_echo_puts_the_scored_prompt_before_the_completion(stack, reference):
-    ids = reference.ids(PROMPT)
+    ids = reference.encode(PROMPT)
     plain = completion(stack, max_tokens=3)["choices"][0]
     choice = completion(stack, max_tokens=3, echo=True, logprobs=2)["choices"][0]
     assert choice["text"] == PROMPT + plain["text"]
@@ -89,7 +63,7 @@ def test_echo_puts_the_scored_prompt_before_the_completion(stack, reference):
 
 
 def test_echo_with_max_tokens_0_returns_only_the_prompt_scoring(stack, reference):
-    ids = reference.ids(PROMPT)
+    ids = reference.encode(PROMPT)
     result = completion(stack, max_tokens=0, echo=True, logprobs=0)
     choice = result["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
@@ -120,7 +94,7 @@ def test_echo_without_logprobs_and_with_n_echoes_every_choice(stack):
 
 
 def test_vllm_prompt_logprobs_field(stack, reference):
-    ids = reference.ids(PROMPT)
+    ids = reference.encode(PROMPT)
     choice = completion(stack, max_tokens=1, prompt_logprobs=1)["choices"][0]
     scored = choice["prompt_logprobs"]
     rows = reference.rows(ids)
@@ -133,7 +107,7 @@ def test_vllm_prompt_logprobs_field(stack, reference):
 
 
 def test_grpc_generate_returns_prompt_logprobs_once(stack, reference):
-    ids = reference.ids(PROMPT)
+    ids = reference.encode(PROMPT)
     stub = router_pb2_grpc.RouterStub(stack.services.channel(stack.grpc_address))
     request = router_pb2.GenerateRequest(text=PROMPT, sampling=greedy(3, prompt_logprobs=0, n=2))
     _, _, messages = collect(stub.Generate(request, timeout=60, metadata=(("authorization", f"Bearer {API_KEY}"),)))

@@ -6,15 +6,12 @@ import httpx
 import openai
 import pytest
 
-from tests.services_fixtures import API_KEY, start_http_stack, wait_until
+from tests.openai_fixtures import stack
+from tests.services_fixtures import API_KEY, wait_until
+
+__all__ = ["stack"]   # the shared fixture
 
 LONG = 600      # tokens a request would take to finish on its own
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir):
-    with start_http_stack(tiny_llama_dir) as http_stack:
-        yield http_stack
 
 
 # --- errors, over raw HTTP ---------------------------------------------------------------------------------
