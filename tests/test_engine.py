@@ -1,41 +1,25 @@
 """The in-process engine: continuous batching is token-exact against transformers, under any pressure."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from ferry import Engine, EngineConfig, SamplingParams
+from ferry import SamplingParams
 from tests.conftest import transformers_greedy
+from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 
-BLOCK_SIZE = 4
+__all__ = ["hf_model"]   # the shared fixture
+
 MAX_TOKENS = 12
-
-
-def tiny_engine(model_dir, **overrides) -> Engine:
-    config = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
-                  kv_cache_memory=1 << 22, max_model_len=256)
-    config.update(overrides)
-    return Engine(EngineConfig(**config))
-
-
-def kv_bytes_for(model_dir, num_blocks: int) -> int:
-    # the tiny model: 2 layers, 2 KV heads of 16 dims, float32
-    return num_blocks * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(3, 400) for _ in range(rng.randrange(1, 48))] for _ in range(16)]
+    return random_prompts(seed=0, count=16, lengths=range(1, 48))
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir, prompts) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    return transformers_greedy(model, prompts, MAX_TOKENS)
+def reference(hf_model, prompts) -> list[list[int]]:
+    return transformers_greedy(hf_model, prompts, MAX_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

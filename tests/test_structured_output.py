@@ -3,20 +3,21 @@ what comes out, token-exact against transformers with the same xgrammar mask, th
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import grpc
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from base.sampling_params import SamplingParams
 from base.structured_output import StructuredOutput
 from protos import common_pb2, router_pb2
+from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 from tests.services_fixtures import collect, greedy, start_services
-from tests.test_engine import kv_bytes_for, tiny_engine
+
+__all__ = ["hf_model"]   # the shared fixture
 
 EOS = 2   # the tiny tokenizer's <|im_end|>
 PERSON = {"type": "object", "properties": {
@@ -35,13 +36,7 @@ CONSTRAINTS = {
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(1)
-    return [[rng.randrange(3, 400) for _ in range(rng.randrange(1, 40))] for _ in range(9)]
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    return random_prompts(seed=1, count=9, lengths=range(1, 40))
 
 
 @pytest.fixture(scope="module")
