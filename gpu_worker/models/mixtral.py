@@ -3,13 +3,11 @@ float32)."""
 from __future__ import annotations
 
 from gpu_worker.model import ModelShape
-from gpu_worker.models.moe import MoeForCausalLM, MoeShape
+from gpu_worker.models.moe import ExpertNames, MoeForCausalLM, MoeShape
 
 
 class MixtralForCausalLM(MoeForCausalLM):
-    router = "block_sparse_moe.gate.weight"
-    expert_parts = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
-                    "block_sparse_moe.experts.{e}.w2.weight")
+    expert_names = ExpertNames("block_sparse_moe", gate="w1", up="w3", down="w2")
 
     @classmethod
     def shape_from_config(cls, config) -> ModelShape:

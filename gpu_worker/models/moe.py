@@ -106,11 +106,26 @@ class SparseMoe(nn.Module):
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
 
 
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoint keeps a layer's mixture of experts: under `block`, the router's `gate.weight` and
+    `experts.{e}.<part>.weight` for each expert's gate, up and down projections."""
+    block: str
+    gate: str
+    up: str
+    down: str
+
+    @property
+    def router(self) -> str:
+        return f"{self.block}.gate.weight"
+
+    def expert(self, part: str, e: int) -> str:
+        return f"{self.block}.experts.{e}.{part}.weight"
+
+
 class MoeForCausalLM(LlamaForCausalLM):
-    """The Llama layers with a SparseMoe for the MLP of its sparse layers. A family names its checkpoint's expert
-    tensors: expert_parts maps (gate, up, down) to names with {e} for the expert's index, router the gate's."""
-    router: str = ""
-    expert_parts: tuple[str, str, str] = ("", "", "")
+    """The Llama layers with a SparseMoe for the MLP of its sparse layers; a family names its expert tensors."""
+    expert_names: ExpertNames
 
     def make_mlp(self, shape: MoeShape, layer_index: int) -> nn.Module:
         if shape.sparse_layers[layer_index]:
@@ -120,15 +135,13 @@ class MoeForCausalLM(LlamaForCausalLM):
     def checkpoint_tensor(self, checkpoint: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         prefix, _, suffix = name.partition("mlp.")
         if suffix == "gate.weight":
-            return checkpoint[prefix + self.router]
+            return checkpoint[prefix + self.expert_names.router]
         if suffix in ("experts_gate_up", "experts_down"):
             return self.stacked_experts(checkpoint, prefix, suffix == "experts_gate_up")
         return super().checkpoint_tensor(checkpoint, name)
 
     def stacked_experts(self, checkpoint: dict[str, torch.Tensor], prefix: str, gate_up: bool) -> torch.Tensor:
-        gate, up, down = self.expert_parts
-        num_experts = self.shape.num_experts
-        if gate_up:
-            return torch.stack([torch.cat([checkpoint[prefix + gate.format(e=e)], checkpoint[prefix + up.format(e=e)]])
-                                for e in range(num_experts)])
-        return torch.stack([checkpoint[prefix + down.format(e=e)] for e in range(num_experts)])
+        names = self.expert_names
+        parts = (names.gate, names.up) if gate_up else (names.down,)
+        return torch.stack([torch.cat([checkpoint[prefix + names.expert(part, e)] for part in parts])
+                            for e in range(self.shape.num_experts)])

@@ -3,7 +3,7 @@ the others (mlp_only_layers, decoder_sparse_step)."""
 from __future__ import annotations
 
 from gpu_worker.model import ModelShape
-from gpu_worker.models.moe import MoeForCausalLM, MoeShape
+from gpu_worker.models.moe import ExpertNames, MoeForCausalLM, MoeShape
 
 
 def sparse_layers(config) -> tuple[bool, ...]:
@@ -14,9 +14,7 @@ def sparse_layers(config) -> tuple[bool, ...]:
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
-    router = "mlp.gate.weight"
-    expert_parts = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                    "mlp.experts.{e}.down_proj.weight")
+    expert_names = ExpertNames("mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
     @classmethod
     def shape_from_config(cls, config) -> ModelShape:
