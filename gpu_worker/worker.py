@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from gpu_worker import cpu_features, cpu_heap, cpu_linear
+from gpu_worker import cpu_features, cpu_heap, cpu_linear, quantized_linears
 from gpu_worker.kv_pool import KVPool, kv_budget
 from gpu_worker.model import TorchLayerOps
-from gpu_worker.model_files import resolve_model_dir
+from gpu_worker.model_files import gguf_source, resolve_model_dir
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
 from gpu_worker.weights import load_weights
@@ -81,7 +82,8 @@ class Worker:
         family = model_class(hf_config.model_type)
         shape = family.shape_from_config(hf_config)
         max_model_len = req.max_model_len or min(shape.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device)
+        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,
+                                gguf_source(req.model))
         block_size = req.block_size or 16
         pool = KVPool(shape, block_size, kv_budget(req.kv_cache_memory, device), dtype, device)
         backend = select_backend(req.attention_backend or "auto", device.type)
@@ -101,13 +103,16 @@ class Worker:
             sliding_window=freeable_window(shape))
 
     @staticmethod
-    def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device) -> torch.nn.Module:
+    def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,
+                   gguf_file: Path | None) -> torch.nn.Module:
         with torch.device("meta"):
             model = family(shape)
         model = model.to_empty(device=device)
         load_weights(model, model_dir)
         model = model.to(dtype).eval()
         if cpu_linear.available(dtype, device):
+            if gguf_file is not None and dtype == torch.float32:
+                quantized_linears.use_gguf_blocks(model, gguf_file)   # before packing: it reads the fp32 weights
             cpu_linear.pack_linear_layers(model)
         model.load_rope(hf_config, max_model_len, device)
         return model
