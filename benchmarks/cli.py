@@ -5,7 +5,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from benchmarks.cli_args import add_workload_args, concrete_dtype, load_requests, machine, model_dir, report
+from benchmarks.cli_args import (add_batch_args, add_dtype_arg, add_model_args, add_workload_args, concrete_dtype,
+                                 load_requests, machine, model_dir, report)
 from benchmarks.cli_stacks import add_cluster_parser, add_prefix_parser, add_router_parser, add_split_parser
 
 
@@ -41,10 +42,8 @@ def add_bench_parser(sub) -> None:
     serve.set_defaults(handler=run_serve)
 
     roofline = bench.add_parser("roofline", help="a decode step against the machine's FLOP limit")
-    roofline.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    roofline.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
-    roofline.add_argument("--batch", type=int, default=32)
-    roofline.add_argument("--prompt-len", type=int, default=128)
+    add_model_args(roofline)
+    add_batch_args(roofline, prompt_len=128)
     roofline.add_argument("--steps", type=int, default=32, help="decode steps timed (the median is reported)")
     roofline.add_argument("--matmul-size", type=int, default=4096, help="the square fp32 matmul that sets the peak")
     roofline.add_argument("--json", action="store_true", help="print one JSON object")
@@ -91,9 +90,8 @@ def add_moe_parser(bench) -> None:
     moe.add_argument("--experts", type=int, default=8)
     moe.add_argument("--top-k", type=int, default=2)
     moe.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size")
-    moe.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
-    moe.add_argument("--batch", type=int, default=32)
-    moe.add_argument("--prompt-len", type=int, default=64)
+    add_dtype_arg(moe)
+    add_batch_args(moe, prompt_len=64)
     moe.add_argument("--repeats", type=int, default=32, help="decode steps timed per model, interleaved")
     moe.add_argument("--json", action="store_true", help="print one JSON object")
     moe.set_defaults(handler=run_moe)
@@ -112,10 +110,8 @@ def run_moe(args) -> int:
 def add_structured_parser(bench) -> None:
     structured = bench.add_parser("structured", help="issue 19: a decode step with every row under its own JSON "
                                                      "schema vs unconstrained; time to first token, cold and cached")
-    structured.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    structured.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
-    structured.add_argument("--batch", type=int, default=32)
-    structured.add_argument("--prompt-len", type=int, default=64)
+    add_model_args(structured)
+    add_batch_args(structured, prompt_len=64)
     structured.add_argument("--repeats", type=int, default=32, help="decode steps timed per batch, interleaved")
     structured.add_argument("--trials", type=int, default=5, help="lone requests timed per time-to-first-token case")
     structured.add_argument("--json", action="store_true", help="print one JSON object, not a markdown table")

@@ -15,9 +15,23 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                         choices=("mixed", "shared_prefix", "mixed_small", "chat", *workloads.ROUTING_WORKLOADS))
     parser.add_argument("--workload-file", type=Path, help="JSON list of {prompt_token_ids, max_tokens}")
     parser.add_argument("--num-requests", type=int)
-    parser.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
+    add_model_args(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    add_dtype_arg(parser)
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", help="auto: what the worker picks on this machine")
+
+
+def add_batch_args(parser: argparse.ArgumentParser, prompt_len: int) -> None:
+    """The decode batch a step benchmark times: its rows and each one's prompt length."""
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=prompt_len)
 
 
 def load_requests(args, tokenizer_dir: str | None = None) -> list[workloads.BenchRequest]:
