@@ -50,9 +50,14 @@ def timed(fn) -> float:
 
 
 def linear_parameters(model: torch.nn.Module) -> int:
-    """Every weight a token is multiplied by: the linears and the LM head (tied or not), not the embedding lookup."""
+    """Every weight a token is multiplied by: the linears and the LM head (tied or not), not the embedding lookup;
+    a linear that holds another (a quantized one and its fp32 twin for large batches) counts once."""
     return sum(module.in_features * module.out_features for module in model.modules()
-               if hasattr(module, "in_features") and hasattr(module, "out_features"))
+               if is_linear(module) and not any(is_linear(child) for child in module.children()))
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    return hasattr(module, "in_features") and hasattr(module, "out_features")
 
 
 def decode_step_gflop(model, shape: ModelShape, batch: int, context: int) -> float:
