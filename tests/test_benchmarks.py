@@ -122,3 +122,11 @@ def test_moe_bench_counts_the_active_parameters_of_the_dense_model_it_builds(tmp
                        expert_size=16, vocab_size=64)
     _, dense_dir = save_models(shapes, tmp_path)
     assert linear_parameters(AutoModelForCausalLM.from_pretrained(dense_dir)) == shapes.active_parameters(moe=False)
+
+
+def test_structured_bench_times_constrained_and_unconstrained_decode_and_the_first_token(tiny_llama_dir):
+    result = run_bench("structured", "--model", str(tiny_llama_dir), "--batch", "4", "--prompt-len", "8",
+                       "--repeats", "3", "--trials", "1")
+    assert result["batch"] == 4 and result["timed_steps"] >= 1
+    assert result["constrained_step_ms"] > 0 and result["unconstrained_step_ms"] > 0
+    assert result["ttft_cold_schema_ms"] > 0 and result["ttft_cached_schema_ms"] > 0
