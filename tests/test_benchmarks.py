@@ -130,3 +130,15 @@ def test_structured_bench_times_constrained_and_unconstrained_decode_and_the_fir
     assert result["batch"] == 4 and result["timed_steps"] >= 1
     assert result["constrained_step_ms"] > 0 and result["unconstrained_step_ms"] > 0
     assert result["ttft_cold_schema_ms"] > 0 and result["ttft_cached_schema_ms"] > 0
+
+
+@pytest.mark.slow
+def test_gguf_blocks_bench_times_both_weight_forms_of_the_default_model(monkeypatch, capsys):
+    from benchmarks import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "BATCHES", (2,))
+    monkeypatch.setattr(gguf_blocks, "STEPS", 2)
+    monkeypatch.setenv("FERRY_CPU_GGUF_BLOCKS", "1")   # the bench sets it per engine; restored after the test
+    gguf_blocks.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("121 linears") and lines[-1].startswith("| 2 |")

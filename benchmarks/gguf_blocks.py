@@ -1,0 +1,55 @@
+"""Issue 17: decode steps of a model from a GGUF file on the CPU with its linears multiplied from the file's Q4_1 /
+Q8_0 blocks against the same model in fp32 weights (FERRY_CPU_GGUF_BLOCKS=0), at several batch sizes.
+`python -m benchmarks.gguf_blocks` (the default model): two engines, their steps timed alternately at each batch.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from base.config import EngineConfig
+from benchmarks.roofline import start_decoding
+from ferry.engine import Engine
+from gpu_worker.quantized_linears import QuantizedLinear
+
+BATCHES = (1, 4, 16, 32)
+STEPS = 16
+
+
+def engine_with_blocks(on: bool) -> Engine:
+    os.environ["FERRY_CPU_GGUF_BLOCKS"] = "1" if on else "0"   # read as the worker loads the model
+    return Engine(EngineConfig(dtype="float32", device="cpu", max_num_seqs=max(BATCHES)))
+
+
+def step_ms(engine: Engine) -> float:
+    start = time.perf_counter()
+    engine.step()
+    return (time.perf_counter() - start) * 1e3
+
+
+def finish(engine: Engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main() -> None:
+    fp32, blocks = engine_with_blocks(False), engine_with_blocks(True)
+    quantized = sum(isinstance(m, QuantizedLinear) for m in blocks.worker.runner.model.modules())
+    print(f"{quantized} linears from the file's blocks\n\n| batch | fp32 weights ms | GGUF blocks ms | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for batch in BATCHES:
+        for engine in (fp32, blocks):
+            start_decoding(engine, batch, 32, STEPS, f"b{batch}", lowest_token_id=100)
+        times = {id(fp32): [], id(blocks): []}
+        for _ in range(STEPS):   # alternately, so that machine noise falls on both
+            for engine in (fp32, blocks):
+                times[id(engine)].append(step_ms(engine))
+        slow, fast = statistics.median(times[id(fp32)]), statistics.median(times[id(blocks)])
+        print(f"| {batch} | {slow:.1f} | {fast:.1f} | {slow / fast:.2f}x |")
+        finish(fp32)
+        finish(blocks)
+
+
+if __name__ == "__main__":
+    main()
