@@ -118,8 +118,9 @@ def bench_decode(shape: DecodeShape, peak_gbps: float) -> DecodeResult:
 
 
 def format_row(result: DecodeResult) -> str:
-    return (f"{result.shape.head_dim:>8} {result.shape.context_len:>8} {result.paged_us:>10.1f} {result.sdpa_us:>10.1f} "
-            f"{result.achieved_gbps:>9.0f} {100 * result.fraction_of_peak:>7.1f}% {result.ratio_to_sdpa:>9.2f}x")
+    return (f"{result.shape.head_dim:>8} {result.shape.context_len:>8} {result.paged_us:>10.1f} "
+            f"{result.sdpa_us:>10.1f} {result.achieved_gbps:>9.0f} {100 * result.fraction_of_peak:>7.1f}% "
+            f"{result.ratio_to_sdpa:>9.2f}x")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
