@@ -31,19 +31,33 @@ def worker_argv(argv: list[str]) -> list[str]:
 def run_workers(num_workers: int, argv: list[str]) -> int:
     """Start num_workers routers with argv (the parent's own flags, --workers removed) and wait for them."""
     command = [sys.executable, "-m", "router", *worker_argv(argv), "--reuse-port"]
-    workers = [subprocess.Popen(command) for _ in range(num_workers)]
+    return supervise([command] * num_workers)
+
+
+def supervise(commands: list[list[str]]) -> int:
+    """Run the commands, pass SIGTERM / SIGINT on, and when one exits stop the rest.
+
+    Returns the status of the worker that exited first (the cause), else the first nonzero status of the others."""
+    workers = [subprocess.Popen(command) for command in commands]
+    signalled: set[int] = set()
 
     def stop(signum, _frame) -> None:
+        # Once only per worker: a second SIGTERM can land after the worker's event loop closed and put the default
+        # handler back, killing a worker that was exiting cleanly.
         for worker in workers:
-            if worker.poll() is None:
+            if worker.poll() is None and worker.pid not in signalled:
+                signalled.add(worker.pid)
                 worker.send_signal(signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while all(worker.poll() is None for worker in workers):
-        time.sleep(0.2)
-    stop(signal.SIGTERM, None)
-    codes = [worker.wait() for worker in workers]
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while (first := next((w for w in workers if w.poll() is not None), None)) is None:
+            time.sleep(0.2)
+        stop(signal.SIGTERM, None)
+        codes = [first.returncode] + [worker.wait() for worker in workers if worker is not first]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return next((code for code in codes if code), 0)
 
 

@@ -14,7 +14,7 @@ import httpx
 from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
 from ferry.launcher import free_port
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2_grpc
-from router.workers import children_of, worker_argv
+from router.workers import children_of, supervise, worker_argv
 
 NUM_TOKENS = 6
 
@@ -43,6 +43,41 @@ class SchedulerThread:
 def test_worker_argv_drops_only_the_workers_flag():
     assert worker_argv(["--port", "5", "--workers", "2", "--http-port=8"]) == ["--port", "5", "--http-port=8"]
     assert worker_argv(["--workers=3", "--policy", "random"]) == ["--policy", "random"]
+
+
+# A worker that, on SIGTERM, takes `delay` seconds to exit 0 with the default SIGTERM handler back in place (as a
+# router is once its event loop has closed): a second SIGTERM in that window would kill it.
+EXITING_WORKER = """
+import pathlib, signal, sys, time
+def on_term(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep({delay})
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+pathlib.Path({ready!r}).touch()
+while True:
+    time.sleep(1)
+"""
+
+SUPERVISOR = "import sys; from router.workers import supervise; sys.exit(supervise({commands!r}))"
+
+
+def test_supervisor_signals_each_worker_once_so_a_clean_exit_stays_clean(tmp_path):
+    ready = [tmp_path / "fast", tmp_path / "slow"]
+    commands = [[sys.executable, "-c", EXITING_WORKER.format(delay=delay, ready=str(path))]
+                for delay, path in zip((0.0, 2.0), ready)]
+    parent = subprocess.Popen([sys.executable, "-c", SUPERVISOR.format(commands=commands)])
+    deadline = time.monotonic() + 30
+    while not all(path.exists() for path in ready):
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(30) == 0
+
+
+def test_supervisor_exits_with_a_failed_workers_status():
+    commands = [[sys.executable, "-c", "import time; time.sleep(60)"], [sys.executable, "-c", "raise SystemExit(3)"]]
+    assert supervise(commands) == 3
 
 
 def test_two_router_processes_serve_behind_one_address(tokenizer_dir):
