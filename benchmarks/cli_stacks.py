@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.cli_args import add_workload_args, load_requests, model_dir, report
+from benchmarks.cli_args import add_model_args, add_workload_args, load_requests, machine, model_dir, report
 
 
 def add_prefix_parser(bench) -> None:
@@ -43,13 +43,23 @@ def add_cluster_parser(bench) -> None:
     cluster.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware")
     cluster.add_argument("--rates-per-scheduler", default="0.5,1,2",
                          help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
-    cluster.add_argument("--profile", default="cpu", choices=("cpu", "h100_llama8b"),
-                         help="step cost model (benchmarks/cost_model.py)")
+    cluster.add_argument("--profile", default="cpu", help="step cost model: cpu, h100_llama8b "
+                                                           "(benchmarks/cost_model.py) or a `ferry bench cost-fit` file")
     cluster.add_argument("--kv-blocks", type=int, default=0, help="KV pool per scheduler in blocks of 16 "
                                                                    "(0: the profile's)")
     cluster.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
     cluster.add_argument("--plot-dir", type=Path)
     cluster.set_defaults(handler=run_cluster)
+
+    cost_fit = bench.add_parser("cost-fit", help="issue 18: fit the cluster simulation's step cost model to steps "
+                                                 "of the real engine on this machine")
+    add_model_args(cost_fit)
+    cost_fit.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores; 1: one of two "
+                                                                  "schedulers sharing a 2-core machine)")
+    cost_fit.add_argument("--name", default="cpu_fitted", help="the profile's name")
+    cost_fit.add_argument("--out", type=Path, help="write the profile here, for `ferry bench cluster --profile`")
+    cost_fit.add_argument("--json", action="store_true", help="print one JSON object")
+    cost_fit.set_defaults(handler=run_cost_fit)
 
 
 # flag, type, default, help
@@ -84,6 +94,16 @@ def run_prefix(args) -> int:
     return 0
 
 
+def run_cost_fit(args) -> int:
+    import os
+
+    from benchmarks.cost_fit import run
+
+    args.threads = args.threads or os.cpu_count() or 1
+    report(args, {"machine": machine(), **run(args)})
+    return 0
+
+
 def run_cluster(args) -> int:
     from benchmarks.cluster_bench import RunSpec, claims, sweep, table
 
@@ -97,7 +117,7 @@ def run_cluster(args) -> int:
         from benchmarks.plots import cluster_sweep
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         sizes = args.num_schedulers.replace(",", "-")
-        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{args.profile}_n{sizes}.png")
+        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{Path(args.profile).stem}_n{sizes}.png")
     report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
                   "profile": args.profile, "runs": runs, "claims": claims(runs)})
     return 0

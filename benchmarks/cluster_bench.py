@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.cluster_sim import ClusterSim, SimRequest
-from benchmarks.cost_model import PROFILES
+from benchmarks.cost_model import load_profile
 from benchmarks.workloads import BenchRequest
 from router.policy import POLICIES
 
@@ -73,7 +73,7 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
 def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
     factory = POLICIES[spec.policy]
     policy = factory(spec.seed) if spec.policy == "random" else factory()
-    sim = ClusterSim(spec.num_schedulers, PROFILES[spec.profile], policy, spec.kv_blocks)
+    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), policy, spec.kv_blocks)
     timeline = sim.run(sim_requests(requests, spec.rate, spec.seed))
     return summarize(spec, sim, timeline)
 

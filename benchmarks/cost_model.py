@@ -25,7 +25,9 @@ Two profiles:
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from protos import worker_pb2
 
@@ -61,6 +63,16 @@ PROFILES = {p.name: p for p in (
     CostProfile("h100_llama8b", fixed_s=0.006, prefill_token_s=27e-6, decode_seq_s=27e-6, context_token_s=49e-9,
                 kv_blocks=25_000, max_num_seqs=256, max_num_batched_tokens=8192),
 )}
+
+
+def load_profile(name_or_path: str) -> CostProfile:
+    """A built-in profile by name, or one written by `ferry bench cost-fit --out FILE`."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"--profile: {name_or_path!r} is neither a file nor one of {sorted(PROFILES)}")
+    return CostProfile(**json.loads(path.read_text()))
 
 
 def chunk_work(num_computed: int, num_scheduled: int) -> StepWork:

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from benchmarks.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
-from benchmarks.cost_model import PROFILES, StepWork, chunk_work, step_work
+from benchmarks.cost_fit import StepSample, fit
+from benchmarks.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from router.policy import POLICIES
@@ -111,3 +112,43 @@ def test_ferry_bench_cluster_runs_a_small_sweep_and_writes_its_plot(tmp_path):
                for r in result["runs"])
     assert set(result["claims"]) == {"2", "3"}
     assert (tmp_path / "cluster_tenants_cpu_n2-3.png").stat().st_size > 0
+
+
+def cost_samples(coefficients: tuple[float, float, float, float]) -> list[StepSample]:
+    works = [StepWork(prefill, decode, context) for prefill in (0, 64, 2048) for decode in (0, 1, 32)
+             for context in (100, 5000, 90000) if prefill or decode]
+    fixed, prefill_s, decode_s, context_s = coefficients
+    return [StepSample(w, fixed + prefill_s * w.prefill_tokens + decode_s * w.decode_seqs
+                       + context_s * w.context_tokens) for w in works]
+
+
+def test_cost_fit_recovers_the_coefficients_that_made_the_steps():
+    fitted = fit(cost_samples((0.02, 0.28e-3, 0.3e-3, 1.0e-6)))
+    assert fitted == pytest.approx({"fixed_s": 0.02, "prefill_token_s": 0.28e-3, "decode_seq_s": 0.3e-3,
+                                    "context_token_s": 1.0e-6}, rel=1e-6)
+
+
+def test_cost_fit_drops_a_term_that_would_come_out_negative():
+    fitted = fit(cost_samples((0.02, 0.28e-3, 0.3e-3, -1.0e-7)))
+    assert fitted["context_token_s"] == 0.0
+    assert all(value > 0 for name, value in fitted.items() if name != "context_token_s")
+
+
+def test_a_fitted_profile_file_drives_the_cluster_simulation(tiny_llama_dir, tmp_path):
+    profile = tmp_path / "tiny.json"
+    fitted = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "cost-fit", "--model", str(tiny_llama_dir),
+                             "--threads", "1", "--name", "tiny", "--out", str(profile), "--json"],
+                            capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(fitted.stdout)
+    assert result["num_steps"] > 20 and result["profile"]["name"] == "tiny"
+    assert load_profile(str(profile)).fixed_s == result["profile"]["fixed_s"]
+    out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "cluster", "--profile", str(profile),
+                          "--num-schedulers", "2", "--num-requests", "10", "--rates-per-scheduler", "1",
+                          "--policies", "cache_aware", "--json"], capture_output=True, text=True, timeout=300,
+                         check=True)
+    assert json.loads(out.stdout)["runs"][0]["completed"] == 10
+
+
+def test_an_unknown_profile_is_named_in_the_error():
+    with pytest.raises(ValueError, match="no-such-profile"):
+        load_profile("no-such-profile")
