@@ -43,8 +43,8 @@ def add_cluster_parser(bench) -> None:
     cluster.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware")
     cluster.add_argument("--rates-per-scheduler", default="0.5,1,2",
                          help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
-    cluster.add_argument("--profile", default="cpu", help="step cost model: cpu, h100_llama8b "
-                                                           "(benchmarks/cost_model.py) or a `ferry bench cost-fit` file")
+    cluster.add_argument("--profile", default="cpu",
+                         help="step cost model: cpu, h100_llama8b (benchmarks/cost_model.py) or a cost-fit file")
     cluster.add_argument("--kv-blocks", type=int, default=0, help="KV pool per scheduler in blocks of 16 "
                                                                    "(0: the profile's)")
     cluster.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
