@@ -17,8 +17,27 @@ def stats_response(scheduler: Scheduler) -> scheduler_pb2.StatsResponse:
         block_size=block_size, prefix_cache_queries=bm.counters.queries,
         prefix_cache_hits=bm.counters.hits, num_preemptions=counters.preemptions,
         num_evictions=bm.counters.evictions,
-        waiting_tokens=sum(s.num_tokens - s.num_computed_tokens - len(bm.match_prefix(s)) * block_size
-                           for s in scheduler.waiting),   # net of the prefix cache: the prefill the queue holds
+        waiting_tokens=queued_prefill_tokens(scheduler),
         running_tokens=sum(s.num_tokens for s in scheduler.running),
         prompt_tokens_total=counters.prompt_tokens, generation_tokens_total=counters.generation_tokens,
         num_steps=counters.steps)
+
+
+def queued_prefill_tokens(scheduler: Scheduler) -> int:
+    """The prefill the waiting queue holds: each waiting prompt less its leading blocks that are cached, or that a
+    sequence ahead of it (running, or earlier in the queue) computes first. Ten queued requests of one cold system
+    prompt are one prefill of it and ten suffixes, not ten prefills: what a router weighs a queue by."""
+    bm, block_size = scheduler.block_manager, scheduler.block_size
+    ahead: set[int] = {h for seq in scheduler.running for h in seq.block_hashes}
+    total = 0
+    for seq in scheduler.waiting:
+        covered = 0
+        if bm.enable_prefix_caching and seq.reads_prefix_cache:
+            bm.update_hashes(seq)
+            for block_hash in seq.block_hashes[:(seq.num_tokens - 1) // block_size]:
+                if block_hash not in bm.cached and block_hash not in ahead:
+                    break
+                covered += 1
+        total += max(0, seq.num_tokens - seq.num_computed_tokens - covered * block_size)
+        ahead.update(seq.block_hashes)
+    return total

@@ -263,3 +263,15 @@ def test_stats_report_queues_blocks_and_counters():
     assert stats.num_cached_free_blocks == 3 and stats.num_free_blocks == 64
     stored, removed = scheduler.drain_kv_events()
     assert len(stored) == 3 and removed == [] and scheduler.drain_kv_events() == ([], [])
+
+
+def test_queued_prefill_counts_a_prompt_shared_by_the_queue_once():
+    scheduler = make_scheduler(max_num_seqs=1)
+    system = list(range(3, 3 + 4 * BLOCK_SIZE))                  # four full blocks, nothing cached yet
+    for i in range(3):
+        scheduler.add_request(f"r{i}", system + [100 + i, 200 + i], params(2))
+    # the first computes the shared blocks; the two behind it prefill only their own two tokens
+    assert scheduler.stats().waiting_tokens == (4 * BLOCK_SIZE + 2) + 2 + 2
+    other = list(range(50, 50 + 4 * BLOCK_SIZE))
+    scheduler.add_request("cold", other + [7], params(2))
+    assert scheduler.stats().waiting_tokens == (4 * BLOCK_SIZE + 2) + 2 + 2 + (4 * BLOCK_SIZE + 1)
