@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -13,15 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ferry import launcher
 from ferry.launcher import free_port
 from base.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from protos import common_pb2, router_pb2
-from tests.services_fixtures import ServiceStack, collect, greedy, start_services, wait_until
+from tests.services_fixtures import CHILD_ENV, ServiceStack, collect, greedy, start_services, wait_until
 
 MAX_NUM_SEQS = 2
 MAX_QUEUED = 2
 MAX_REQUEST_BYTES = 64 << 10
 LONG = 400             # tokens: long enough that a flood arrives while the admitted requests still run
+ROUTER_MEMORY_CAP = 3 << 30   # address space of a router that must not fill the machine if a test finds a leak
 
 
 @dataclass
@@ -180,6 +186,40 @@ def test_http_client_timeout_aborts_the_request_and_frees_its_blocks(stack):
 
 
 # --- hostile input -----------------------------------------------------------------------------------------
+@contextmanager
+def capped_router(stack: Stack) -> Iterator[str]:
+    """One more router over the stack's schedulers, its address space capped (a runaway allocation fails there
+    instead of taking the machine); yields its HTTP address."""
+    def cap_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ROUTER_MEMORY_CAP, ROUTER_MEMORY_CAP))
+
+    port, http_port = free_port(), free_port()
+    processes = launcher.Stack()
+    try:
+        processes.start([sys.executable, "-m", "router", "--port", str(port), "--http-port", str(http_port),
+                         "--redis-url", stack.services.redis_url], "capped router", env=CHILD_ENV,
+                        preexec_fn=cap_memory)
+        launcher.wait_for_health(f"127.0.0.1:{port}", processes, timeout=60)
+        http = f"http://127.0.0.1:{http_port}"
+        wait_until(lambda: httpx.get(http + "/health").status_code == 200, "the capped router's schedulers")
+        yield http
+    finally:
+        processes.stop()
+
+
+def test_a_huge_n_is_400_and_the_router_keeps_serving(stack):
+    """n = 2**31 once made the router build that many empty choices before the stream checked n: it hung, then
+    the kernel killed it for memory (a CI run of the fuzz test below)."""
+    bodies = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user",
+                                                                                          "content": "hi"}]}}
+    with capped_router(stack) as http:
+        for path, body in bodies.items():
+            response = httpx.post(http + path, json={**body, "max_tokens": 2, "n": 2**31}, timeout=30)
+            assert response.status_code == 400, response.text
+            assert "n must be in" in response.json()["error"]["message"]
+            assert httpx.post(http + path, json={**body, "max_tokens": 2}, timeout=60).status_code == 200
+
+
 ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                    max_size=3), max_leaves=6)

@@ -30,13 +30,18 @@ async def prepend(first: router_pb2.GenerateResponse | None,
 
 
 async def collect(responses: AsyncIterator[router_pb2.GenerateResponse], num_samples: int) -> Collected:
-    collected = Collected([Choice(i) for i in range(num_samples)])
+    """The whole answer. num_samples is the client's `n`, checked only once the stream starts: a choice is made when
+    its first response comes, so an `n` of 2**31 is refused (400) instead of filling memory with empty choices."""
+    choices: dict[int, Choice] = {}
+    usage = None
     async with contextlib.aclosing(responses):
         try:
             async for response in responses:
-                collected.choices[response.index].add(response)
+                if response.index not in choices:
+                    choices[response.index] = Choice(response.index)
+                choices[response.index].add(response)
                 if response.HasField("usage"):
-                    collected.usage = response.usage
+                    usage = response.usage
         except Exception as e:
             raise api_error(e) from e
-    return collected
+    return Collected([choices.get(i) or Choice(i) for i in range(num_samples)], usage)
