@@ -3,10 +3,11 @@ context read by attention. Used by the cluster simulation (`ferry bench cluster`
 
     seconds = fixed + prefill_token * prefill tokens + decode_seq * decoded sequences + context_token * context read
 
-Two profiles:
+Two profiles built in, and any number fitted by `ferry bench cost-fit` (timed steps of the real engine, least
+squares) and read from a JSON file: `benchmarks/profiles/` holds those of the machines BENCHMARKS.md names.
 
-`cpu` — this machine (2-core AMD EPYC Zen 5, SmolLM2-135M bf16), fitted to the steps measured in BENCHMARKS.md
-(not re-measured for this model, so as not to load the shared machine):
+`cpu` — a 2-core AMD EPYC Zen 5 with AVX-512 (SmolLM2-135M bf16), fitted by hand to the steps measured in
+BENCHMARKS.md on that machine:
   - `mixed` offline: 510 decode steps at a mean batch of 33.9 take ~21.3 s; attention 6.0 s over ~5.5 M context
     tokens read -> context_token ~1.0 us; a static batch of ~17 steps in 36 ms, of 32 in 47 ms, less their
     attention -> ~0.3 ms per decoded sequence on ~20 ms of fixed cost (weights streamed once a step);
