@@ -57,6 +57,13 @@ def gguf_model_dir(gguf_file: Path) -> Path:
     return target
 
 
+def gguf_blocks_dir(gguf_file: Path) -> Path:
+    """Where the file's Q4_1 / Q8_0 blocks, packed for the CPU kernel, are kept between starts (keyed by the file's
+    path; the cache itself records the size and modification time it was built from)."""
+    key = hashlib.sha256(str(gguf_file.resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "gguf-blocks" / f"{gguf_file.stem}-{key}"
+
+
 def default_model_dir() -> Path:
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if not (target / "config.json").is_file():

@@ -2,18 +2,23 @@
 batches (kernels/cpu_quant): a decode step reads 4.5-8.5 bits a weight instead of 32. Each linear's rows are found
 among the file's tensors by their dequantized values, so fused (qkv, gate_up), permuted (llama.cpp's q and k) and
 tied (the LM head) weights need no name tables; a linear whose widened blocks are not bit-identical to the weight it
-has keeps the fp32 path. Larger batches (prefill) go to the fp32 linear, where the multiply, not the read, bounds.
-FERRY_CPU_GGUF_BLOCKS=0 turns it off."""
+has keeps the fp32 path. What was found is cached between starts (below). Larger batches (prefill) go to the fp32
+linear, where the multiply, not the read, bounds. FERRY_CPU_GGUF_BLOCKS=0 turns it off."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 from torch import nn
 
+from gpu_worker.model_files import gguf_blocks_dir
 from kernels import cpu_quant
 
 log = logging.getLogger(__name__)
@@ -69,33 +74,113 @@ def use_gguf_blocks(model: nn.Module, gguf_file: Path) -> int:
     kernel = cpu_quant.extension() if os.environ.get("FERRY_CPU_GGUF_BLOCKS", "1") != "0" else None
     if kernel is None:
         return 0
+    linears = {name: module for name, module in model.named_modules() if takes_blocks(module)}
+    cache = gguf_blocks_dir(gguf_file)
+    blocks = cached_blocks(cache, gguf_file, linears)
+    if blocks is None:
+        source = file_identity(gguf_file)   # before reading: a file changed meanwhile leaves a stale cache
+        blocks = blocks_in_file(gguf_file, linears)
+        save_blocks(cache, source, linears, blocks)
+    for name, weight in blocks.items():
+        linear = linears[name]
+        bias = None if linear.bias is None else linear.bias.detach()
+        model.set_submodule(name, QuantizedLinear(linear, weight, bias, kernel))
+    log.info("%d linears multiply from %s's quantized blocks", len(blocks), gguf_file.name)
+    return len(blocks)
+
+
+def takes_blocks(module: nn.Module) -> bool:
+    return (isinstance(module, nn.Linear) and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu" and cpu_quant.packable(module.out_features, module.in_features))
+
+
+def blocks_in_file(gguf_file: Path, linears: dict[str, nn.Linear]) -> dict[str, cpu_quant.QuantizedWeight]:
+    """The blocks of each linear whose weight they widen to bit for bit."""
     rows = GgufRows(gguf_file)
-    replaced = replace_linears(model, rows, kernel)
-    log.info("%d linears multiply from %s's quantized blocks", replaced, gguf_file.name)
-    return replaced
+    found = {}
+    for name, linear in linears.items():
+        weight = rows.weight_of(linear.weight)
+        if weight is not None and torch.equal(cpu_quant.widened(weight), linear.weight.detach()):
+            found[name] = weight
+    return found
 
 
-def replace_linears(module: nn.Module, rows: GgufRows, kernel) -> int:
-    replaced = 0
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            quantized = quantized_linear(child, rows, kernel)
-            if quantized is not None:
-                setattr(module, name, quantized)
-                replaced += 1
-        else:
-            replaced += replace_linears(child, rows, kernel)
-    return replaced
+# The blocks found for a model are cached, so that a start reads 100 MB of packed blocks instead of parsing,
+# dequantizing and matching the whole file (seconds). They were checked bit for bit against the weights when
+# written; a start checks that the file is the one they came from (path, size, modification time), that the cache
+# is intact (sha256), that the model has the same linears, and one row of every panel of 16 against the weights.
+# Anything else (stale, foreign, truncated, unreadable) is rebuilt from the file.
+CACHE_LAYOUT = 1                 # bumped whenever QuantizedWeight's packing changes
+CACHE_TENSORS = "blocks.safetensors"
+CACHE_INDEX = "blocks.json"
 
 
-def quantized_linear(linear: nn.Linear, rows: GgufRows, kernel) -> QuantizedLinear | None:
-    weight = linear.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+def file_identity(gguf_file: Path) -> dict:
+    stat = gguf_file.stat()
+    return {"path": str(gguf_file.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "layout": CACHE_LAYOUT}
+
+
+def cached_blocks(cache: Path, gguf_file: Path,
+                  linears: dict[str, nn.Linear]) -> dict[str, cpu_quant.QuantizedWeight] | None:
+    """The cached blocks of the model's linears, or None where the cache is missing or is not theirs."""
+    try:
+        index = json.loads((cache / CACHE_INDEX).read_text())
+        data = (cache / CACHE_TENSORS).read_bytes()
+    except (OSError, ValueError):
         return None
-    if not cpu_quant.packable(linear.out_features, linear.in_features):
+    if (not isinstance(index, dict) or index.get("source") != file_identity(gguf_file)
+            or index.get("sha256") != hashlib.sha256(data).hexdigest()
+            or sorted(index.get("linears", {})) != sorted(linears)):
         return None
-    blocks = rows.weight_of(weight)
-    if blocks is None or not torch.equal(cpu_quant.widened(blocks), weight.detach()):
+    tensors = safetensors.torch.load(data)
+    blocks = {name: cached_weight(tensors, name, kind) for name, kind in index["linears"].items() if kind}
+    if not all(sampled_rows_match(weight, linears[name].weight) for name, weight in blocks.items()):
         return None
-    bias = None if linear.bias is None else linear.bias.detach()
-    return QuantizedLinear(linear, blocks, bias, kernel)
+    return blocks
+
+
+def cached_weight(tensors: dict[str, torch.Tensor], name: str, kind: str) -> cpu_quant.QuantizedWeight:
+    mins = tensors[f"{name}.mins"] if kind == "Q4_1" else torch.empty(0)
+    return cpu_quant.QuantizedWeight(kind, tensors[f"{name}.scales"], mins, tensors[f"{name}.quants"])
+
+
+def sampled_rows_match(blocks: cpu_quant.QuantizedWeight, weight: torch.Tensor) -> bool:
+    """One row of every panel, a different one from panel to panel, widened and compared bit for bit (1/16 of
+    the full check's work): blocks of another conversion, or of another linear, differ in nearly every row."""
+    if blocks.shape != tuple(weight.shape):
+        return False
+    panels = blocks.quants.shape[0]
+    columns = torch.arange(panels) % cpu_quant.PANEL
+    rows = torch.arange(panels) * cpu_quant.PANEL + columns
+    return torch.equal(cpu_quant.widened_rows(blocks, columns), weight.detach()[rows])
+
+
+def save_blocks(cache: Path, source: dict, linears: dict[str, nn.Linear],
+                blocks: dict[str, cpu_quant.QuantizedWeight]) -> None:
+    """Written atomically, tensors first: a reader sees a matching pair or a sha256 that does not match. A cache
+    that cannot be written is left out; the next start reads the file again."""
+    tensors = {}
+    for name, weight in blocks.items():
+        tensors[f"{name}.scales"], tensors[f"{name}.quants"] = weight.scales, weight.quants
+        if weight.kind == "Q4_1":
+            tensors[f"{name}.mins"] = weight.mins
+    data = safetensors.torch.save(tensors)
+    index = {"source": source, "sha256": hashlib.sha256(data).hexdigest(),
+             "linears": {name: blocks[name].kind if name in blocks else None for name in linears}}
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        write_atomically(cache / CACHE_TENSORS, data)
+        write_atomically(cache / CACHE_INDEX, json.dumps(index, indent=1).encode())
+    except OSError as error:
+        log.warning("the quantized blocks are not cached (%s): the next start reads the GGUF file again", error)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", delete=False) as staging:
+        staging.write(data)
+    try:
+        os.replace(staging.name, path)
+    except OSError:
+        os.unlink(staging.name)
+        raise

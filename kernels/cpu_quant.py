@@ -76,3 +76,17 @@ def widened(weight: QuantizedWeight) -> torch.Tensor:
     if weight.kind == "Q4_1":
         values = values + weight.mins.repeat_interleave(BLOCK, dim=1)
     return values.transpose(1, 2).reshape(panels * PANEL, k)
+
+
+def widened_rows(weight: QuantizedWeight, columns: torch.Tensor) -> torch.Tensor:
+    """Row p * 16 + columns[p] of each panel p of the weight [panels, K], computed as widened() computes it."""
+    panels = torch.arange(weight.quants.shape[0])
+    if weight.kind == "Q4_1":
+        two_per_byte = weight.quants[panels, :, columns % 8]
+        quants = torch.where((columns >= 8)[:, None], two_per_byte >> 4, two_per_byte & 0x0F).float()
+    else:
+        quants = weight.quants[panels, :, columns].float()
+    values = weight.scales[panels, :, columns].repeat_interleave(BLOCK, dim=1) * quants
+    if weight.kind == "Q4_1":
+        values = values + weight.mins[panels, :, columns].repeat_interleave(BLOCK, dim=1)
+    return values

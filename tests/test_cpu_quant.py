@@ -50,21 +50,28 @@ def test_blocks_of_the_wrong_shape_are_refused():
 
 
 @pytest.mark.slow
-def test_the_default_model_decodes_from_its_gguf_blocks_token_exact_against_transformers():
+def test_the_default_model_decodes_from_its_gguf_blocks_token_exact_against_transformers(tmp_path, monkeypatch):
+    """On the first start from the file's blocks, on the second from the cache they were written to."""
     from transformers import AutoModelForCausalLM
 
     from ferry import Engine, EngineConfig, SamplingParams
+    from gpu_worker import quantized_linears
     from gpu_worker.model_files import default_model_dir
-    from gpu_worker.quantized_linears import QuantizedLinear
     from tests.conftest import transformers_greedy
 
-    engine = Engine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=1 << 27))
-    model = engine.worker.runner.model
-    num_layers = len(model.layers)
-    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 4 * num_layers + 1   # and the LM head
-    prompts = [engine.tokenizer.encode(text) for text in
-               ("The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,")]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = [r.token_ids for r in engine.generate(prompts, params)]   # four rows a step: the blocks' path
+    monkeypatch.setattr(quantized_linears, "gguf_blocks_dir", lambda gguf_file: tmp_path / "blocks")
+    file_reads, parse = [], quantized_linears.GgufRows
+    monkeypatch.setattr(quantized_linears, "GgufRows", lambda path: file_reads.append(path) or parse(path))
     reference = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
-    assert outputs == transformers_greedy(reference, prompts, 12)
+    for _ in ("first start", "second start"):
+        engine = Engine(EngineConfig(dtype="float32", device="cpu", kv_cache_memory=1 << 27))
+        model = engine.worker.runner.model
+        num_layers = len(model.layers)
+        quantized = sum(isinstance(m, quantized_linears.QuantizedLinear) for m in model.modules())
+        assert quantized == 4 * num_layers + 1   # and the LM head
+        prompts = [engine.tokenizer.encode(text) for text in
+                   ("The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,")]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outputs = [r.token_ids for r in engine.generate(prompts, params)]   # four rows a step: the blocks' path
+        assert outputs == transformers_greedy(reference, prompts, 12)
+    assert len(file_reads) == 1
