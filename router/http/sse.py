@@ -2,21 +2,24 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
+
+import orjson
 
 from protos import router_pb2
 from router.http.errors import api_error
 from router.http.formats import ResponseFormat
 
 
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One event; orjson, because a streamed token costs a chunk's encoding (several times json's speed)."""
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"
 
 
 async def sse_events(responses: AsyncIterator[router_pb2.GenerateResponse], fmt: ResponseFormat,
-                     num_samples: int) -> AsyncIterator[str]:
+                     num_samples: int) -> AsyncIterator[bytes]:
     async with contextlib.aclosing(responses):
         try:
             for chunk in fmt.opening_chunks(num_samples):
