@@ -29,10 +29,10 @@ def test_the_scheduler_holding_the_prefix_wins_unless_its_load_outweighs_the_sav
     assert cache_aware([a, b], routing({"a": 4, "b": 8}))[0] is b   # the longer chain wins
 
 
-def test_imbalance_guard_sends_work_to_the_least_loaded():
+def test_a_holders_running_contexts_do_not_push_a_long_cached_prompt_onto_a_cold_scheduler():
     hot, idle = info("hot", load_tokens=50_000), info("idle", load_tokens=100)
-    big_hit = routing({"hot": 6000}, prompt_len=96_000)
-    assert cache_aware([hot, idle], big_hit)[0] is idle
+    big_hit = routing({"hot": 6000}, prompt_len=96_000)      # 5,000 tokens of penalty against a 96,000-token prefill
+    assert cache_aware([hot, idle], big_hit)[0] is hot
 
 
 def test_without_hits_equal_prefixes_go_to_the_same_rendezvous_winner():
