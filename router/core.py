@@ -82,10 +82,11 @@ class Router:
         self.in_flight += 1
         observed = self.telemetry.start(trace_parent)
         try:
-            async for response in self.route_and_proxy(request, observed, hold):
-                observed.on_response(response)
-                self.key_limiter.charge(api_key, tokens_charged(response))
-                yield response
+            async with contextlib.aclosing(await self.route(request, observed, hold)) as responses:
+                async for response in responses:
+                    observed.on_response(response)
+                    self.key_limiter.charge(api_key, tokens_charged(response))
+                    yield response
         except RequestError as e:
             observed.fail(e.code.name, e.message)
             raise
@@ -104,8 +105,9 @@ class Router:
         except OverLimit as e:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after) from e
 
-    async def route_and_proxy(self, request: router_pb2.GenerateRequest, observed: RequestObservation,
-                              hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def route(self, request: router_pb2.GenerateRequest, observed: RequestObservation,
+                    hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Validate, tokenize and rank the schedulers; the request's responses from the one that takes it."""
         params = parse_sampling(request)
         candidates = self.candidates(request.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
@@ -129,8 +131,7 @@ class Router:
                                                  sampling=params.to_proto())
         observed.routed(request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
-        async for response in self.proxy(plan.targets, upstream, new_state, observed, hold):
-            yield response
+        return self.proxy(plan.targets, upstream, new_state, observed, hold)
 
     def connection(self, address: str) -> SchedulerConnection:
         if address not in self.connections:

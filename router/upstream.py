@@ -40,48 +40,73 @@ class UpstreamRequest:
         self.request_id = request_id
         self.num_samples = num_samples
         self.min_tokens = 1
-        self.events: asyncio.Queue = asyncio.Queue()   # RequestEvent | UpstreamError
+        self.pending: dict[int, scheduler_pb2.ScheduleResponse] = {}   # by sample index, merged as they arrive
+        self.error: UpstreamError | None = None
+        self.waiter: asyncio.Future | None = None   # set while the request's reader waits for outputs
         self.finished: set[int] = set()
-        self.failed = False
+        self.ready: list[scheduler_pb2.ScheduleResponse] = []   # taken from pending, not yet handed out
 
     @property
     def ended(self) -> bool:
-        return self.failed or len(self.finished) == self.num_samples
+        """Nothing more will come from the scheduler: every sample finished, or the request failed."""
+        return self.error is not None or len(self.finished) == self.num_samples
 
-    def fail(self, error: UpstreamError) -> None:
-        self.events.put_nowait(error)
-
-    async def __aiter__(self) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
-        pending: dict[int, scheduler_pb2.ScheduleResponse] = {}   # by sample index
-        while not self.ended:
-            error = self.gather(await self.events.get(), pending)
-            while error is None and not self.events.empty():
-                error = self.gather(self.events.get_nowait(), pending)
-            for index in [i for i, output in pending.items() if error is not None or self.ready(output)]:
-                yield pending.pop(index)
-            if error is not None:
-                self.failed = True
-                raise error
-
-    def gather(self, event: scheduler_pb2.RequestEvent | UpstreamError,
-               pending: dict[int, scheduler_pb2.ScheduleResponse]) -> UpstreamError | None:
+    def deliver(self, event: scheduler_pb2.RequestEvent) -> None:
         """Merge an output into its sample's pending one (repeated fields append, a set field overrides), or
-        return the error that ends the request."""
-        if isinstance(event, UpstreamError):
-            return event
+        note the error that ends the request."""
+        if self.error is not None:
+            return
         if event.HasField("error"):
-            return UpstreamError(STATUS_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN), event.error.message)
+            self.fail(UpstreamError(STATUS_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN),
+                                    event.error.message))
+            return
         output = event.output
         if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished.add(output.index)
-        if output.index in pending:
-            pending[output.index].MergeFrom(output)
+        merged = self.pending.get(output.index)
+        if merged is None:
+            self.pending[output.index] = output
         else:
-            pending[output.index] = output
-        return None
+            merged.MergeFrom(output)
+        self.wake()
 
-    def ready(self, output: scheduler_pb2.ScheduleResponse) -> bool:
-        return len(output.token_ids) >= self.min_tokens or output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    def fail(self, error: UpstreamError) -> None:
+        if self.error is None:
+            self.error = error
+            self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def __aiter__(self) -> UpstreamRequest:
+        return self
+
+    async def __anext__(self) -> scheduler_pb2.ScheduleResponse:
+        """The next sample's merged output once it holds min_tokens or finished; after the outputs that arrived
+        before it, the request's error."""
+        while not self.ready:
+            self.ready = self.take_ready()
+            if self.ready:
+                break
+            if self.error is not None:
+                raise self.error
+            if len(self.finished) == self.num_samples:
+                raise StopAsyncIteration
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.ready.pop()
+
+    def take_ready(self) -> list[scheduler_pb2.ScheduleResponse]:
+        """The pending outputs to hand out now, last first: those holding min_tokens or finished, all once the
+        request failed."""
+        indices = [index for index, output in self.pending.items() if self.error is not None or
+                   len(output.token_ids) >= self.min_tokens or
+                   output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
+        return [self.pending.pop(index) for index in reversed(indices)]
 
     def close(self) -> None:
         self.connection.release(self)
@@ -130,7 +155,7 @@ class SchedulerConnection:
                 for event in message.events:
                     upstream = self.requests.get(event.request_id)
                     if upstream is not None:
-                        upstream.events.put_nowait(event)
+                        upstream.deliver(event)
         except grpc.aio.AioRpcError as e:
             reason = f"lost the stream to the scheduler: {e.code().name}: {e.details()}"
         finally:
