@@ -38,7 +38,7 @@ class IncrementalDetokenizer:
     stops: tuple[str, ...] = ()
     include_stop_str: bool = False
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""             # decode(token_ids[:read_offset])
+    text: str = ""             # decode(token_ids[:read_offset]), kept only with stop strings
     prefix_offset: int = 0     # token_ids[prefix_offset:read_offset]: read tokens, decoded again as context
     read_offset: int = 0
     prefix_text: str = ""      # decode(token_ids[prefix_offset:read_offset])
@@ -46,17 +46,29 @@ class IncrementalDetokenizer:
 
     def add(self, new_token_ids: list[int], final: bool = False) -> TextDelta:
         self.token_ids.extend(new_token_ids)
-        text = self.decode(self.token_ids) if final else self.decode_new_tokens()
+        if final:
+            return self.finish(self.decode(self.token_ids))
+        new_text, committed = self.decode_new_tokens()
+        if not self.stops:   # nothing is held back: what the new tokens completed is all of the delta
+            return self.emit_new(new_text if committed else "")
+        text = self.text + new_text
+        if committed:
+            self.text = text
         match = self.find_stop(text)
         if match is not None:
-            start, stop = match
-            end = start + len(stop) if self.include_stop_str else start
-            return self.emit(text[:end], stop)
-        if final:
-            return self.emit(text)
+            return self.finish(text, match)
         if text.endswith(REPLACEMENT_CHAR):
             return TextDelta("")
         return self.emit(text[:len(text) - held_back_length(text, self.stops)])
+
+    def finish(self, text: str, match: tuple[int, str] | None = None) -> TextDelta:
+        """The last delta: up to the stop string that matched first (in text, or in the final text), or all."""
+        match = match or self.find_stop(text)
+        if match is None:
+            return self.emit(text)
+        start, stop = match
+        end = start + len(stop) if self.include_stop_str else start
+        return self.emit(text[:end], stop)
 
     def add_until_stop(self, new_token_ids: list[int], final: bool = False) -> tuple[TextDelta, int]:
         """add() for several tokens at once (a client's pending tokens in one response), and how many of them
@@ -71,16 +83,16 @@ class IncrementalDetokenizer:
                 return TextDelta(text, delta.stop_string), used
         return TextDelta(text), len(new_token_ids)
 
-    def decode_new_tokens(self) -> str:
-        """The text of all tokens, decoding only the window from prefix_offset; commits it unless it ends in
-        U+FFFD."""
+    def decode_new_tokens(self) -> tuple[str, bool]:
+        """The text the tokens after read_offset add, decoding only the window from prefix_offset, and whether it
+        was committed (the offsets moved on): not while it ends in U+FFFD."""
         window = self.decode(self.token_ids[self.prefix_offset:])
-        text = self.text + window[len(self.prefix_text):]
-        if len(window) > len(self.prefix_text) and not window.endswith(REPLACEMENT_CHAR):
-            self.text = text
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            self.prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        return text
+        new_text = window[len(self.prefix_text):]
+        if not new_text or window.endswith(REPLACEMENT_CHAR):
+            return new_text, False
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        return new_text, True
 
     def find_stop(self, text: str) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
@@ -92,6 +104,8 @@ class IncrementalDetokenizer:
         return best
 
     def emit(self, upto: str, stop: str | None = None) -> TextDelta:
-        delta = upto[self.num_sent:]
+        return self.emit_new(upto[self.num_sent:], stop)
+
+    def emit_new(self, delta: str, stop: str | None = None) -> TextDelta:
         self.num_sent += len(delta)
         return TextDelta(delta, stop)
