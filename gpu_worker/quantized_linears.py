@@ -76,16 +76,16 @@ def use_gguf_blocks(model: nn.Module, gguf_file: Path) -> int:
         return 0
     linears = {name: module for name, module in model.named_modules() if takes_blocks(module)}
     cache = gguf_blocks_dir(gguf_file)
-    blocks = cached_blocks(cache, gguf_file, linears)
+    blocks, origin = cached_blocks(cache, gguf_file, linears), f"cached in {cache}"
     if blocks is None:
         source = file_identity(gguf_file)   # before reading: a file changed meanwhile leaves a stale cache
-        blocks = blocks_in_file(gguf_file, linears)
+        blocks, origin = blocks_in_file(gguf_file, linears), "read from the file"
         save_blocks(cache, source, linears, blocks)
     for name, weight in blocks.items():
         linear = linears[name]
         bias = None if linear.bias is None else linear.bias.detach()
         model.set_submodule(name, QuantizedLinear(linear, weight, bias, kernel))
-    log.info("%d linears multiply from %s's quantized blocks", len(blocks), gguf_file.name)
+    log.info("%d linears multiply from %s's quantized blocks (%s)", len(blocks), gguf_file.name, origin)
     return len(blocks)
 
 
