@@ -145,8 +145,8 @@ class RequestObservation:
                                       "ferry.route.winner_address": target.address})
 
     def on_response(self, response: router_pb2.GenerateResponse) -> None:
-        metrics, now = self.telemetry.metrics, self.telemetry.clock()
-        if response.token_ids:
+        metrics, now, num_tokens = self.telemetry.metrics, self.telemetry.clock(), len(response.token_ids)
+        if num_tokens:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.ttft.observe(now - self.arrival)
@@ -155,7 +155,7 @@ class RequestObservation:
             elif now > self.last_token_at:
                 metrics.inter_token.observe(now - self.last_token_at)
             self.last_token_at = now
-            self.num_generated += len(response.token_ids)
+            self.num_generated += num_tokens
         if response.finish_reason:
             self.finish_reason = FINISH_REASON_NAMES.get(response.finish_reason, "")
 

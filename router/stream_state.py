@@ -25,10 +25,11 @@ class StreamState:
     num_cached_tokens: int = 0
     stream_interval: int = 1   # tokens per response the client asked for
     scored_prompt: list[int] | None = None   # the prompt, when it asked for prompt logprobs: sent once with them
+    num_finished: int = 0   # samples finished
 
     @property
     def done(self) -> bool:
-        return all(s.finished for s in self.samples)
+        return self.num_finished == len(self.samples)
 
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
@@ -61,6 +62,7 @@ class StreamState:
         if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
             response.finish_reason = finish
             sample.finished = True
+            self.num_finished += 1
             if self.done:
                 response.usage.CopyFrom(self.usage())
         return response

@@ -103,6 +103,8 @@ class UpstreamRequest:
     def take_ready(self) -> list[scheduler_pb2.ScheduleResponse]:
         """The pending outputs to hand out now, last first: those holding min_tokens or finished, all once the
         request failed."""
+        if not self.pending:
+            return []
         indices = [index for index, output in self.pending.items() if self.error is not None or
                    len(output.token_ids) >= self.min_tokens or
                    output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
