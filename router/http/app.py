@@ -14,7 +14,7 @@ from protos import router_pb2
 from router.chat_messages import chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import MAX_REQUEST_BYTES, parse_body
-from router.http.disconnect import ClientGone, unless_disconnected
+from router.http.disconnect import unless_disconnected
 from router.http.errors import APIError, install_error_handlers, reject_unsupported
 from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -98,11 +98,9 @@ class OpenAIServer:
             responses = await started(self.generate(generate_request, api_key=api_key))
             return StreamingResponse(sse_events(responses, fmt, num_samples), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:   # held to the end by the router, so a failed scheduler's work can be retried at any point
-            responses = self.generate(generate_request, hold=True, api_key=api_key)
-            collected = await unless_disconnected(request, collect(responses, num_samples))
-        except ClientGone:
-            return Response(status_code=499)
+        # held to the end by the router, so a failed scheduler's work can be retried at any point
+        responses = self.generate(generate_request, hold=True, api_key=api_key)
+        collected = await unless_disconnected(request, collect(responses, num_samples))   # or ClientGone: 499
         return JSONResponse(fmt.body(collected))
 
 

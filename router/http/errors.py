@@ -6,11 +6,12 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.core import RequestError
+from router.http.disconnect import ClientGone
 
 log = logging.getLogger(__name__)
 
@@ -73,5 +74,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return APIError(error.status_code, str(error.detail)).response()
 
+    async def on_client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)   # nobody reads it: the client hung up
+
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientGone, on_client_gone)

@@ -1,0 +1,128 @@
+"""Hostile bodies on a real router, whose stderr the tests read: a string that is not Unicode text (a lone UTF-16
+surrogate, which JSON can spell) is 400 naming its field; a client that hangs up half-way through its body leaves no
+traceback. The router keeps serving after each."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ferry.launcher import free_port, wait_for_health
+from protos import router_pb2
+from tests.services_fixtures import CHILD_ENV, start_services, wait_until
+
+LONE = "\ud800"     # json.dumps writes it as the escape \ud800, which json.loads reads back as it is
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+@dataclass
+class Router:
+    http: str
+    stderr: Path
+
+    def post(self, path: str, body: dict | bytes) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.http + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+
+    def log(self) -> str:
+        return self.stderr.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def router(tiny_llama_dir, tmp_path_factory) -> Iterator[Router]:
+    services = start_services(tiny_llama_dir, num_schedulers=1)
+    stderr = tmp_path_factory.mktemp("router") / "stderr.log"
+    try:
+        port, http_port = free_port(), free_port()
+        with open(stderr, "wb") as log:
+            services.stack.start([sys.executable, "-m", "router", "--port", str(port), "--redis-url",
+                                  services.redis_url, "--http-port", str(http_port)], "router with HTTP",
+                                 env=CHILD_ENV, stderr=log)
+        wait_for_health(f"127.0.0.1:{port}", services.stack, timeout=60)
+        http = f"http://127.0.0.1:{http_port}"
+        wait_until(lambda: httpx.get(http + "/health").status_code == 200, "HTTP health")
+        yield Router(http, stderr)
+    finally:
+        services.stop()
+
+
+def assert_serves(router: Router) -> None:
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        response = router.post(path, body)
+        assert response.status_code == 200, response.text
+
+
+# --- strings that are not Unicode text ---------------------------------------------------------------------
+TOOL_CALL = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                  "function": {"name": "f", "arguments": '{"x": "' + LONE + '"}'}}]}
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {**COMPLETION, "prompt": f"hi {LONE}"}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [f"hi {LONE}"]}, "prompt[0]"),
+    ("/v1/completions", {**COMPLETION, "stop": ["ok", LONE]}, "stop[1]"),
+    ("/v1/completions", {**COMPLETION, "suffix": LONE}, "suffix"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": f"{LONE} hi"}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {**CHAT, "messages": [CHAT["messages"][0], TOOL_CALL]},
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_a_lone_surrogate_is_400_naming_the_field_and_the_router_keeps_serving(router, path, body, field):
+    response = router.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == field
+    assert error["message"].startswith(f"{field}: ") and "surrogate" in error["message"]
+    assert_serves(router)
+
+
+def test_a_surrogate_in_raw_utf8_bytes_is_400_too(router):
+    """json.loads decodes a body with surrogatepass: the three UTF-8 bytes of U+D800 become a lone surrogate."""
+    response = router.post("/v1/completions", b'{"prompt": "hi \xed\xa0\x80", "max_tokens": 2}')
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt"
+
+
+def test_escaped_surrogate_pairs_are_text_and_served(router):
+    """The escapes a JSON encoder writes for a character beyond the BMP (ensure_ascii) are one character."""
+    response = router.post("/v1/completions", json.dumps({**COMPLETION, "prompt": "hi \U0001F600"}).encode())
+    assert response.status_code == 200, response.text
+
+
+def test_a_grpc_client_cannot_send_a_lone_surrogate():
+    """protobuf refuses to encode the string on the client's side, so the router never sees one over gRPC."""
+    with pytest.raises(UnicodeEncodeError):
+        router_pb2.GenerateRequest(text=f"hi {LONE}")
+
+
+# --- clients that hang up half-way through their body -------------------------------------------------------
+def send_half_a_body_and_hang_up(http: str) -> None:
+    host, port = http.removeprefix("http://").split(":")
+    body = json.dumps(COMPLETION).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) * 10}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(head + body)
+        time.sleep(0.5)      # the router has started reading the body and waits for the rest
+
+
+def test_a_client_hanging_up_mid_body_leaves_no_traceback_and_the_router_keeps_serving(router):
+    before = router.log()
+    for _ in range(3):
+        send_half_a_body_and_hang_up(router.http)
+    time.sleep(1)            # the router takes in each hang-up
+    assert_serves(router)
+    logged = router.log()[len(before):]
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged
+
+
