@@ -126,3 +126,11 @@ def test_a_client_hanging_up_mid_body_leaves_no_traceback_and_the_router_keeps_s
     assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged
 
 
+
+
+def test_json_nested_past_the_parsers_depth_is_400_and_the_router_keeps_serving(router):
+    depth = 100_000
+    response = router.post("/v1/completions", b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
+    assert response.status_code == 400, response.text
+    assert "not valid JSON" in response.json()["error"]["message"]
+    assert_serves(router)
