@@ -127,7 +127,8 @@ class ClusterSim:
 
     def arrive(self, request: SimRequest) -> None:
         routing = RoutingInput(request.prompt, request.block_hashes, dict(self.pending),
-                               self.index.matches(request.block_hashes, set(self.nodes)), now=self.now)
+                               self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
+                               request_id=request.request_id)
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         for info in self.policy([n.info for n in self.nodes.values()], routing):
             node = self.nodes[info.scheduler_id]
@@ -167,6 +168,9 @@ class ClusterSim:
             request.finished_s = self.now
             self.pending[request.scheduler_id] -= 1
             self.outstanding -= 1
+            finish = getattr(self.policy, "finish", None)
+            if finish is not None:
+                finish(request_id)
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():

@@ -114,11 +114,11 @@ class Router:
         prompt_ids = prompt_token_ids(request, tokenizer)
         check_prompt(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
+        request_id = request.request_id or uuid.uuid4().hex
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
                                await self.directory.prefix_matches(candidates[0].model, hashes),
-                               prefix_index_live=self.directory.prefix_index_live)
+                               prefix_index_live=self.directory.prefix_index_live, request_id=request_id)
         plan = self.retries.plan(self.policy(candidates, routing))
-        request_id = request.request_id or uuid.uuid4().hex
 
         def new_state() -> StreamState:   # a fresh one per attempt: a retry starts from the first token
             return StreamState(request_id, len(prompt_ids),
@@ -132,6 +132,11 @@ class Router:
         observed.routed(request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         return self.proxy(plan.targets, upstream, new_state, observed, hold)
+
+    def policy_finish(self, request_id: str) -> None:
+        finish = getattr(self.policy, "finish", None)   # stateful policies (cache_aware) count work until it ends
+        if finish is not None:
+            finish(request_id)
 
     def connection(self, address: str) -> SchedulerConnection:
         if address not in self.connections:
@@ -197,6 +202,7 @@ class Router:
         finally:
             request.close()   # client gone, stop string matched, or done: the scheduler aborts what remains
             self.pending[target.scheduler_id] -= 1
+            self.policy_finish(upstream.request_id)
         for response in held:
             yield response
 

@@ -22,6 +22,7 @@ class RoutingInput:
     matched_blocks: dict[str, int] = field(default_factory=dict)  # leading prompt blocks each scheduler holds
     prefix_index_live: bool = True   # False: Redis is down, matched_blocks says nothing
     now: float = field(default_factory=time.monotonic)
+    request_id: str = ""             # a stateful policy is told when it ends (its `finish`)
 
 
 RoutingPolicy = Callable[[Sequence[SchedulerInfo], RoutingInput], list[SchedulerInfo]]
@@ -107,15 +108,18 @@ class CacheAwarePolicy:
 
     def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
         matched = self.matched_blocks(request)
-        recent = {c.scheduler_id: self.history.recent_work(c.scheduler_id, request.now, self.recent_window_s,
-                                                           request.pending.get(c.scheduler_id, 0))
+        recent = {c.scheduler_id: self.history.recent_work(c.scheduler_id, request.now, self.recent_window_s)
                   for c in candidates}
         ranked = rank_by_work(candidates, request, matched, recent)
         chosen = ranked[0]
         added = (uncached_tokens(chosen, request, matched.get(chosen.scheduler_id, 0))
                  + RUNNING_TOKEN_WEIGHT * len(request.prompt_token_ids))   # its prefill, then its running context
-        self.history.record(chosen.scheduler_id, request.block_hashes, round(added), request.now)
+        self.history.record(chosen.scheduler_id, request.block_hashes, round(added), request.now, request.request_id)
         return ranked
+
+    def finish(self, request_id: str) -> None:
+        """Called by the router when a request ends, so its work stops counting as queued."""
+        self.history.finish(request_id)
 
     def matched_blocks(self, request: RoutingInput) -> dict[str, int]:
         """The prefix index, and where it cannot know yet what this router sent: anything sent in the last

@@ -7,7 +7,6 @@ schedulers' heartbeats have not reported yet.
 """
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,8 @@ from dataclasses import dataclass, field
 class RoutedWork:
     sent_at: float
     tokens: int
+    request_id: str = ""
+    finished: bool = False
 
 
 @dataclass
@@ -25,8 +26,10 @@ class RoutingHistory:
     holders: dict[int, dict[str, float]] = field(default_factory=dict)   # block hash -> {scheduler: last sent}
     lru: dict[str, OrderedDict[int, None]] = field(default_factory=dict)
     routed: dict[str, deque[RoutedWork]] = field(default_factory=dict)
+    unfinished: dict[str, RoutedWork] = field(default_factory=dict)   # by request id, while in a window
 
-    def record(self, scheduler_id: str, block_hashes: Sequence[int], work_tokens: int, now: float) -> None:
+    def record(self, scheduler_id: str, block_hashes: Sequence[int], work_tokens: int, now: float,
+               request_id: str = "") -> None:
         """scheduler_id was sent a prompt with these blocks, work_tokens of it not cached there."""
         lru = self.lru.setdefault(scheduler_id, OrderedDict())
         for block_hash in block_hashes:
@@ -35,7 +38,16 @@ class RoutingHistory:
             lru.move_to_end(block_hash)
         while len(lru) > self.capacity_blocks:
             self.drop(scheduler_id, lru.popitem(last=False)[0])
-        self.routed.setdefault(scheduler_id, deque()).append(RoutedWork(now, work_tokens))
+        work = RoutedWork(now, work_tokens, request_id)
+        self.routed.setdefault(scheduler_id, deque()).append(work)
+        if request_id:
+            self.unfinished[request_id] = work
+
+    def finish(self, request_id: str) -> None:
+        """The request is over (done, failed or aborted): its work no longer waits at the scheduler."""
+        work = self.unfinished.pop(request_id, None)
+        if work is not None:
+            work.finished = True
 
     def drop(self, scheduler_id: str, block_hash: int) -> None:
         holders = self.holders.get(block_hash)
@@ -58,12 +70,12 @@ class RoutingHistory:
                 matched[scheduler_id] = depth + 1
         return matched
 
-    def recent_work(self, scheduler_id: str, now: float, window_s: float, in_flight: int) -> int:
-        """Work routed to scheduler_id in the last window_s seconds that may still be there: the newest in_flight
-        entries of it (a request that has finished left nothing behind). Older entries are forgotten."""
+    def recent_work(self, scheduler_id: str, now: float, window_s: float) -> int:
+        """Work routed to scheduler_id in the last window_s seconds whose request has not finished. Counted from
+        the decision on, not from when the stream opens: in a burst, decisions run ahead of their streams."""
         work = self.routed.get(scheduler_id)
         if not work:
             return 0
         while work and work[0].sent_at < now - window_s:
-            work.popleft()
-        return sum(w.tokens for w in itertools.islice(reversed(work), in_flight))
+            self.unfinished.pop(work.popleft().request_id, None)
+        return sum(w.tokens for w in work if not w.finished)

@@ -18,9 +18,9 @@ def info(scheduler_id: str, waiting_tokens: int = 0, running_tokens: int = 0) ->
 
 
 def request(prompt: list[int], matched: dict[str, int] | None = None, now: float = 0.0, live: bool = True,
-            in_flight: Counter | None = None) -> RoutingInput:
+            in_flight: Counter | None = None, request_id: str = "") -> RoutingInput:
     return RoutingInput(prompt, hash_blocks(prompt, 16, "m"), dict(in_flight or {}), matched or {},
-                        prefix_index_live=live, now=now)
+                        prefix_index_live=live, now=now, request_id=request_id)
 
 
 def burst(policy, cluster: list[SchedulerInfo], num_requests: int, matched: dict[str, int] | None = None) -> Counter:
@@ -61,8 +61,11 @@ def test_a_burst_of_one_cold_prefix_spreads_by_the_routers_own_decisions_between
     assert len(burst(cache_aware, cluster, 7)) == 1            # without its own decisions: all piled onto one
     picks = burst(CacheAwarePolicy(), cluster, 7)
     assert len(picks) >= 2 and max(picks.values()) <= 4
-    finished = CacheAwarePolicy()                             # the same prefix, each request done before the next
-    assert len({finished(cluster, request(question(i), now=0.001 * i))[0].scheduler_id for i in range(16)}) == 1
+    finished, chosen = CacheAwarePolicy(), set()              # the same prefix, each request done before the next
+    for i in range(16):
+        chosen.add(finished(cluster, request(question(i), now=0.001 * i, request_id=f"r{i}"))[0].scheduler_id)
+        finished.finish(f"r{i}")
+    assert len(chosen) == 1
 
 
 def test_approximate_policy_learns_where_it_sent_a_prefix_without_any_prefix_index():
@@ -110,8 +113,17 @@ def test_history_forgets_the_least_recently_sent_blocks_beyond_its_capacity():
     history.record("a", new, 10, now=1.0)
     assert history.matched_blocks(old) == {}
     assert history.matched_blocks(new) == {"a": 64}
-    assert history.recent_work("a", now=1.5, window_s=1.0, in_flight=1) == 10
-    assert history.recent_work("a", now=1.5, window_s=1.0, in_flight=0) == 0
+    assert history.recent_work("a", now=1.5, window_s=1.0) == 10
+
+
+def test_recent_work_counts_every_decision_in_the_window_until_its_request_finishes():
+    history = RoutingHistory()
+    for i in range(3):                                           # a burst: decided, no stream open yet
+        history.record("a", hash_blocks(PREFIX, 16, "m"), 100, now=0.01 * i, request_id=f"r{i}")
+    assert history.recent_work("a", now=0.1, window_s=1.0) == 300
+    history.finish("r1")
+    assert history.recent_work("a", now=0.1, window_s=1.0) == 200
+    assert history.recent_work("a", now=2.0, window_s=1.0) == 0 and not history.unfinished
 
 
 def test_random_policy_is_a_seeded_permutation_that_uses_every_scheduler():
