@@ -4,7 +4,9 @@ from __future__ import annotations
 from collections import Counter
 
 from benchmarks import workloads
+from benchmarks.hit_rate_bounds import bounds
 from benchmarks.routing_workloads import MultiturnShape, TenantsShape, multiturn, tenants
+from benchmarks.workloads import BenchRequest
 
 
 def test_tenants_are_the_same_for_a_seed_and_differ_across_seeds():
@@ -46,3 +48,11 @@ def test_each_multiturn_turn_extends_its_previous_prompt_and_sessions_interleave
 def test_routing_workloads_load_by_name_at_any_length():
     assert len(workloads.load("tenants", num_requests=40)) == 40
     assert len(workloads.load("multiturn", num_requests=7)) == 7
+
+
+def test_hit_rate_bounds_count_one_cold_prefill_per_tenant_or_per_tenant_and_scheduler():
+    prefix = list(range(1000, 1032))                          # two full blocks
+    requests = [BenchRequest(prefix + [2000 + i], 8) for i in range(3)] + [BenchRequest(list(range(3000, 3033)), 8)]
+    result = bounds(requests)                                  # 132 prompt tokens
+    assert result["one_scheduler_per_tenant"] == round(64 / 132, 3)   # the 2nd and 3rd hit the prefix
+    assert result["round_robin"] == round(32 / 132, 3)                 # only the 3rd finds it on its scheduler
