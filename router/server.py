@@ -7,6 +7,7 @@ import signal
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from base.config import DRAIN_TIMEOUT_S
@@ -35,22 +36,37 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.api_keys = api_keys or []
         self.max_request_bytes = max_request_bytes
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
+        """The request arrives as bytes (see add_router_service) and is parsed here."""
         api_key = ""
         if self.api_keys:
             api_key = client_key(context.invocation_metadata(), self.api_keys)
             if api_key is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
                                     "(send metadata 'authorization: Bearer <key>')")
-        if request.ByteSize() > self.max_request_bytes:
+        if len(raw) > self.max_request_bytes:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request is {request.ByteSize()} bytes; the limit is {self.max_request_bytes}")
+                                f"request is {len(raw)} bytes; the limit is {self.max_request_bytes}")
+        try:
+            request = router_pb2.GenerateRequest.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"GenerateRequest does not parse: {e}")
         try:
             trace_parent = extract_metadata(context.invocation_metadata())
             async for response in self.router.generate(request, trace_parent, api_key=api_key):
                 yield response
         except RequestError as e:
             await context.abort(e.code, e.message, trailing_metadata=retry_after(e))
+
+
+def add_router_service(service: RouterService, server: grpc.aio.Server) -> None:
+    """The generated add_RouterServicer_to_server, except that Generate gets its request unparsed: a message protobuf
+    cannot parse (a string field that is not UTF-8, which clients in other languages can send) is then
+    INVALID_ARGUMENT with the reason, where grpc's own deserializer would answer UNKNOWN and log a traceback."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        service.Generate, response_serializer=router_pb2.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("ferry.Router", handlers),))
+    server.add_registered_method_handlers("ferry.Router", handlers)
 
 
 def retry_after(error: RequestError) -> tuple[tuple[str, str], ...]:
@@ -106,8 +122,7 @@ async def serve(options: RouterOptions) -> int:
     if options.http_port:
         http = await start_http(router, directory, options)
     server = grpc.aio.server(options=grpc_server_options(options.max_request_bytes))
-    router_pb2_grpc.add_RouterServicer_to_server(
-        RouterService(router, options.api_keys, options.max_request_bytes), server)
+    add_router_service(RouterService(router, options.api_keys, options.max_request_bytes), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, options)

@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
 from ferry.launcher import free_port, wait_for_health
-from protos import router_pb2
+from protos import common_pb2, router_pb2
 from tests.services_fixtures import CHILD_ENV, start_services, wait_until
 
 LONE = "\ud800"     # json.dumps writes it as the escape \ud800, which json.loads reads back as it is
@@ -27,6 +28,7 @@ COMPLETION = {"prompt": "hi", "max_tokens": 2}
 class Router:
     http: str
     stderr: Path
+    grpc_address: str
 
     def post(self, path: str, body: dict | bytes) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -49,7 +51,7 @@ def router(tiny_llama_dir, tmp_path_factory) -> Iterator[Router]:
         wait_for_health(f"127.0.0.1:{port}", services.stack, timeout=60)
         http = f"http://127.0.0.1:{http_port}"
         wait_until(lambda: httpx.get(http + "/health").status_code == 200, "HTTP health")
-        yield Router(http, stderr)
+        yield Router(http, stderr, f"127.0.0.1:{port}")
     finally:
         services.stop()
 
@@ -103,6 +105,21 @@ def test_a_grpc_client_cannot_send_a_lone_surrogate():
     """protobuf refuses to encode the string on the client's side, so the router never sees one over gRPC."""
     with pytest.raises(UnicodeEncodeError):
         router_pb2.GenerateRequest(text=f"hi {LONE}")
+
+
+def test_a_grpc_request_that_does_not_parse_is_invalid_argument_and_the_router_keeps_serving(router):
+    """A client in another language can put bytes that are not UTF-8 in a string field; protobuf cannot parse it."""
+    text_field = bytes([2 << 3 | 2, 4]) + b"hi \xff"                         # field 2 (text), 4 bytes, not UTF-8
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        generate = channel.unary_stream("/ferry.Router/Generate", request_serializer=lambda raw: raw,
+                                        response_deserializer=router_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(generate(text_field, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not parse" in refused.value.details()
+        valid = router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=2))
+        assert list(generate(valid.SerializeToString(), timeout=30))
+    assert "Traceback" not in router.log()
 
 
 # --- clients that hang up half-way through their body -------------------------------------------------------
