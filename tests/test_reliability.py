@@ -220,22 +220,27 @@ def test_a_huge_n_is_400_and_the_router_keeps_serving(stack):
             assert httpx.post(http + path, json={**body, "max_tokens": 2}, timeout=60).status_code == 200
 
 
-ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+def any_text(max_size: int) -> st.SearchStrategy[str]:
+    """Any code point, lone UTF-16 surrogates included (st.text leaves them out; JSON can spell them: \\ud800)."""
+    return st.text(st.characters(exclude_categories=()), max_size=max_size)
+
+
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | any_text(max_size=8),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(any_text(max_size=6), inner,
                                                                                    max_size=3), max_leaves=6)
 SMALL_INT = st.integers(-3, 6) | st.sampled_from([0, 2**31, 2**32, 2**63, -2**63])
 SAMPLING_FIELDS = {
     "max_tokens": SMALL_INT | ANY_JSON, "temperature": st.floats() | ANY_JSON, "top_p": st.floats(),
     "top_k": SMALL_INT, "min_p": st.floats(), "n": SMALL_INT, "seed": SMALL_INT | ANY_JSON,
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=20) | ANY_JSON,
+    "stop": any_text(max_size=4) | st.lists(any_text(max_size=4), max_size=20) | ANY_JSON,
     "stop_token_ids": st.lists(SMALL_INT, max_size=3) | ANY_JSON, "logprobs": SMALL_INT | st.booleans(),
     "top_logprobs": SMALL_INT, "presence_penalty": st.floats(), "frequency_penalty": st.floats(),
     "repetition_penalty": st.floats(), "ignore_eos": st.booleans() | ANY_JSON, "stream": st.booleans(),
-    "echo": st.booleans(), "model": st.text(max_size=6) | ANY_JSON,
+    "echo": st.booleans(), "model": any_text(max_size=6) | ANY_JSON,
 }
-PROMPTS = st.text(max_size=20) | st.lists(st.integers(-5, 2**33), max_size=6) | ANY_JSON
+PROMPTS = any_text(max_size=20) | st.lists(st.integers(-5, 2**33), max_size=6) | ANY_JSON
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                           "content": st.text(max_size=12) | ANY_JSON}), max_size=3) | ANY_JSON
+                                           "content": any_text(max_size=12) | ANY_JSON}), max_size=3) | ANY_JSON
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
