@@ -74,14 +74,18 @@ class BlockManager:
             chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             seq.block_hashes.append(next_block_hash(parent, chunk))
 
-    def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding seq's leading tokens; the last token is always left to recompute."""
+    def reusable_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of seq's leading full blocks a prefix-cache hit may cover: none when seq does not read the
+        cache, and never the block of its last token, which is always left to recompute."""
         if not (self.enable_prefix_caching and seq.reads_prefix_cache):
             return []
         self.update_hashes(seq)
-        limit = (seq.num_tokens - 1) // self.block_size
+        return seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading tokens; the last token is always left to recompute."""
         hits = []
-        for block_hash in seq.block_hashes[:limit]:
+        for block_hash in self.reusable_hashes(seq):
             block_id = self.cached.get(block_hash)
             if block_id is None:
                 break

@@ -32,12 +32,10 @@ def queued_prefill_tokens(scheduler: Scheduler) -> int:
     total = 0
     for seq in scheduler.waiting:
         covered = 0
-        if bm.enable_prefix_caching and seq.reads_prefix_cache:
-            bm.update_hashes(seq)
-            for block_hash in seq.block_hashes[:(seq.num_tokens - 1) // block_size]:
-                if block_hash not in bm.cached and block_hash not in ahead:
-                    break
-                covered += 1
+        for block_hash in bm.reusable_hashes(seq):
+            if block_hash not in bm.cached and block_hash not in ahead:
+                break
+            covered += 1
         total += max(0, seq.num_tokens - seq.num_computed_tokens - covered * block_size)
         ahead.update(seq.block_hashes)
     return total
