@@ -71,10 +71,7 @@ def widened(weight: QuantizedWeight) -> torch.Tensor:
         quants = torch.cat([low, high], dim=2).float()                              # [panels, K, 16]
     else:
         quants = weight.quants.float()
-    scales = weight.scales.repeat_interleave(BLOCK, dim=1)                          # [panels, K, 16]
-    values = scales * quants
-    if weight.kind == "Q4_1":
-        values = values + weight.mins.repeat_interleave(BLOCK, dim=1)
+    values = dequantized(weight.kind, quants, weight.scales, weight.mins)
     return values.transpose(1, 2).reshape(panels * PANEL, k)
 
 
@@ -84,9 +81,16 @@ def widened_rows(weight: QuantizedWeight, columns: torch.Tensor) -> torch.Tensor
     if weight.kind == "Q4_1":
         two_per_byte = weight.quants[panels, :, columns % 8]
         quants = torch.where((columns >= 8)[:, None], two_per_byte >> 4, two_per_byte & 0x0F).float()
+        mins = weight.mins[panels, :, columns]
     else:
-        quants = weight.quants[panels, :, columns].float()
-    values = weight.scales[panels, :, columns].repeat_interleave(BLOCK, dim=1) * quants
-    if weight.kind == "Q4_1":
-        values = values + weight.mins[panels, :, columns].repeat_interleave(BLOCK, dim=1)
+        quants, mins = weight.quants[panels, :, columns].float(), weight.mins
+    return dequantized(weight.kind, quants, weight.scales[panels, :, columns], mins)
+
+
+def dequantized(kind: str, quants: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """gguf's arithmetic: scale x quant (+ min for Q4_1), a block's scale and min spread over its 32 values along
+    dim 1 (K)."""
+    values = scales.repeat_interleave(BLOCK, dim=1) * quants
+    if kind == "Q4_1":
+        values = values + mins.repeat_interleave(BLOCK, dim=1)
     return values
