@@ -22,7 +22,7 @@ from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo
 from router.discovery import leading_matches
-from router.policy import RoutingInput, RoutingPolicy
+from router.policy import RoutingInput, RoutingPolicy, notify_finished
 from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.core import Scheduler
 
@@ -168,9 +168,7 @@ class ClusterSim:
             request.finished_s = self.now
             self.pending[request.scheduler_id] -= 1
             self.outstanding -= 1
-            finish = getattr(self.policy, "finish", None)
-            if finish is not None:
-                finish(request_id)
+            notify_finished(self.policy, request_id)
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():

@@ -26,7 +26,7 @@ from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, OverLimit
 from router.metrics import RequestObservation, RouterTelemetry
-from router.policy import RoutingInput, RoutingPolicy, least_loaded
+from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished
 from router.retry import RetryGovernor
 from router.stream_state import SampleState, StreamState
 from router.tokenizer import RouterTokenizer, load_tokenizer
@@ -133,11 +133,6 @@ class Router:
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         return self.proxy(plan.targets, upstream, new_state, observed, hold)
 
-    def policy_finish(self, request_id: str) -> None:
-        finish = getattr(self.policy, "finish", None)   # stateful policies (cache_aware) count work until it ends
-        if finish is not None:
-            finish(request_id)
-
     def connection(self, address: str) -> SchedulerConnection:
         if address not in self.connections:
             self.connections[address] = SchedulerConnection(self.directory.channel(address),
@@ -202,7 +197,7 @@ class Router:
         finally:
             request.close()   # client gone, stop string matched, or done: the scheduler aborts what remains
             self.pending[target.scheduler_id] -= 1
-            self.policy_finish(upstream.request_id)
+            notify_finished(self.policy, upstream.request_id)
         for response in held:
             yield response
 

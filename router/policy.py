@@ -29,6 +29,13 @@ RoutingPolicy = Callable[[Sequence[SchedulerInfo], RoutingInput], list[Scheduler
 """Returns the candidates in order of preference (the router tries the next one if the first is unreachable)."""
 
 
+def notify_finished(policy: RoutingPolicy, request_id: str) -> None:
+    """Tell a stateful policy (CacheAwarePolicy: its `finish`) that a request ended; plain functions keep no state."""
+    finish = getattr(policy, "finish", None)
+    if finish is not None:
+        finish(request_id)
+
+
 def rendezvous_weight(scheduler_id: str, key: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{scheduler_id}:{key}".encode())
 

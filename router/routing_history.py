@@ -17,7 +17,6 @@ class RoutedWork:
     sent_at: float
     tokens: int
     request_id: str = ""
-    finished: bool = False
 
 
 @dataclass
@@ -47,7 +46,7 @@ class RoutingHistory:
         """The request is over (done, failed or aborted): its work no longer waits at the scheduler."""
         work = self.unfinished.pop(request_id, None)
         if work is not None:
-            work.finished = True
+            work.tokens = 0
 
     def drop(self, scheduler_id: str, block_hash: int) -> None:
         holders = self.holders.get(block_hash)
@@ -78,4 +77,4 @@ class RoutingHistory:
             return 0
         while work and work[0].sent_at < now - window_s:
             self.unfinished.pop(work.popleft().request_id, None)
-        return sum(w.tokens for w in work if not w.finished)
+        return sum(w.tokens for w in work)
