@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import httpx
 
+from base import event_loop
 from protos import common_pb2, router_pb2, router_pb2_grpc
 
 if TYPE_CHECKING:
@@ -103,5 +104,5 @@ async def run_clients(api: str, grpc_target: str, base_url: str, num_clients: in
 def client_process(api: str, grpc_target: str, base_url: str, num_clients: int, options: BenchOptions,
                    run_name: str, ready, results) -> None:
     ready.set()
-    log = asyncio.run(run_clients(api, grpc_target, base_url, num_clients, options, run_name))
+    log = event_loop.run(run_clients(api, grpc_target, base_url, num_clients, options, run_name))
     results.put((log.received, log.messages, log.failed))

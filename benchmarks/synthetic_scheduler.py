@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 from tokenizers import Tokenizer
 
+from base import event_loop
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.registry import SchedulerInfo
 from scheduler.registry import Registry
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-interval", type=float, default=0.01, help="seconds per engine step")
     parser.add_argument("--batch", type=int, default=256, help="most requests running at once")
     parser.add_argument("--send-log", default="", help="where to write the send times on SIGTERM")
-    asyncio.run(serve(parser.parse_args(argv)))
+    event_loop.run(serve(parser.parse_args(argv)))
     return 0
 
 

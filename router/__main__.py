@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 
+from base import event_loop
 from base.cluster_auth import add_secret_args, cluster_secrets
 from base.tls import add_tls_args, tls_config
 from router.api_keys import add_api_key_args, api_keys
@@ -33,7 +33,7 @@ def main() -> int:
         if args.port == 0:
             parser.error("--workers needs a fixed --port (each worker binds it)")
         return run_workers(args.workers, sys.argv[1:])
-    return asyncio.run(serve(options))
+    return event_loop.run(serve(options))
 
 
 # flag, type, the RouterOptions field its default comes from, help

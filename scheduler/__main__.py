@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 
+from base import event_loop
 from base.cluster_auth import add_secret_args, cluster_secrets
 from base.config import DRAIN_TIMEOUT_S, add_engine_arguments, engine_config
 from base.tls import add_tls_args, tls_config
@@ -58,7 +58,7 @@ def main() -> int:
                            log_stats_interval=args.log_stats_interval, drain_timeout=args.drain_timeout,
                            limits=AdmissionLimits(args.max_queued_requests, args.max_queued_tokens),
                            cluster_token=secrets.cluster_token, redis_password=secrets.redis_password, tls=tls)
-    return asyncio.run(serve(engine_config(args), options))
+    return event_loop.run(serve(engine_config(args), options))
 
 
 if __name__ == "__main__":
