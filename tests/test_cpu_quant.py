@@ -43,6 +43,33 @@ def test_a_quantized_linear_multiplies_the_widened_weight(portable, kind, rows):
     torch.testing.assert_close(out, x @ cpu_quant.widened(weight).T, atol=1e-4, rtol=1e-5)
 
 
+def summed_in_k_order(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x @ weight.T with each output's products added over k in order from 0, as the kernel adds them. Fused: each
+    product and sum rounded once, as an FMA does (float64 holds the product of two fp32 exactly; the one rounding
+    of the sum to float64 before fp32 could differ from an FMA's in a rare tie, which these seeds do not meet)."""
+    total = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        if fused:
+            total = (x[:, k, None].double() * weight[:, k].double() + total.double()).float()
+        else:
+            total = total + x[:, k, None] * weight[:, k]
+    return total
+
+
+@PATHS
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 13, 17, 32])   # widened in registers; in a buffer, blocks of 5-6 or not
+def test_each_row_sums_the_widened_weight_in_k_order_bit_for_bit(portable, kind, rows):
+    """At any batch the same bits as one row alone: the buffered path, its k in chunks of 128 (here two and a
+    half), carries each sum across chunks instead of adding chunks' sums."""
+    weight = cpu_quant.pack(kind, random_blocks(kind, 48, 320, seed=rows))
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+    module = cpu_quant.extension(portable)
+    out = module.quantized_linear(x, weight.scales, weight.mins, weight.quants)
+    expected = summed_in_k_order(x, cpu_quant.widened(weight), module.fused_multiply_add())
+    assert torch.equal(out, expected)
+
+
 def test_blocks_of_the_wrong_shape_are_refused():
     weight = cpu_quant.pack("Q4_1", random_blocks("Q4_1", 16, 64, seed=0))
     with pytest.raises(RuntimeError, match="mins"):
