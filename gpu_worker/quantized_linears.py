@@ -2,8 +2,8 @@
 batches (kernels/cpu_quant): a decode step reads 4.5-8.5 bits a weight instead of 32. Each linear's rows are found
 among the file's tensors by their dequantized values, so fused (qkv, gate_up), permuted (llama.cpp's q and k) and
 tied (the LM head) weights need no name tables; a linear whose widened blocks are not bit-identical to the weight it
-has keeps the fp32 path. What was found is cached between starts (below). Larger batches (prefill) go to the fp32
-linear, where the multiply, not the read, bounds. FERRY_CPU_GGUF_BLOCKS=0 turns it off."""
+has keeps the fp32 path. What was found is cached between starts (below). Larger batches (long prefills) go to the
+fp32 linear, where the multiply, not the read, bounds. FERRY_CPU_GGUF_BLOCKS=0 turns it off."""
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +22,12 @@ from gpu_worker.model_files import gguf_blocks_dir
 from kernels import cpu_quant
 
 log = logging.getLogger(__name__)
-MAX_QUANTIZED_ROWS = 16   # more rows than this: the fp32 linear, faster once a weight serves many rows
-
+# More rows than this, by the vector path the kernel was built for: the fp32 linear (oneDNN), whose blocking of rows
+# wins once a weight serves many. AVX2, measured on the AVX2 EPYC (benchmarks/gguf_blocks.py, issue 17): the blocks'
+# kernel is 1.01-1.04x oneDNN on the default model's 576x1536 and 1536x576 linears at 256 rows, 0.93-0.99x at 384;
+# a 256-row decode step 1.16x. AVX-512 (oneDNN multiplies 16 lanes at a time there, the kernel 8) and the portable
+# path keep the limit of the first, in-register kernel, not measured past it.
+MAX_QUANTIZED_ROWS = {"avx2": 256, "avx512": 16, "portable": 16}
 
 class QuantizedLinear(nn.Module):
     def __init__(self, dense: nn.Module, weight: cpu_quant.QuantizedWeight, bias: torch.Tensor | None, kernel):
@@ -32,11 +36,12 @@ class QuantizedLinear(nn.Module):
         self.weight_blocks = weight
         self.bias = bias
         self.kernel = kernel
+        self.vector_isa = kernel.vector_isa()
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_QUANTIZED_ROWS:
+        if rows.shape[0] > MAX_QUANTIZED_ROWS[self.vector_isa]:
             return self.dense(x)
         blocks = self.weight_blocks
         out = self.kernel.quantized_linear(rows.contiguous(), blocks.scales, blocks.mins, blocks.quants)

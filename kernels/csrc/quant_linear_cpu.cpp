@@ -238,4 +238,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear, "x times a linear's weight kept in Q4_1 or Q8_0 blocks");
   m.def("fused_multiply_add", [] { return FERRY_PANEL_FMA != 0; },
         "whether each product is added to its row's sum in one rounding (an FMA) rather than two");
+  m.def("vector_isa", &ferry::vector_isa, "the vector extensions this build targets: avx512, avx2 or portable");
 }
