@@ -14,7 +14,7 @@ import numpy as np
 from benchmarks.cluster_sim import ClusterSim, SimRequest
 from benchmarks.cost_model import load_profile
 from benchmarks.workloads import BenchRequest
-from router.policy import POLICIES
+from router.policy import POLICIES, RoutingPolicy
 
 TTFT_TARGET_S = 2.0
 
@@ -27,6 +27,7 @@ class RunSpec:
     profile: str
     kv_blocks: int = 0
     seed: int = 0
+    num_routers: int = 1
 
     @property
     def rate(self) -> float:
@@ -59,7 +60,8 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
     counters = [n.scheduler.block_manager.counters for n in sim.nodes.values()]
     queries, hits = sum(c.queries for c in counters), sum(c.hits for c in counters)
     busy = [n.busy_s for n in sim.nodes.values()]
-    return {"num_schedulers": spec.num_schedulers, "policy": spec.policy, "profile": spec.profile,
+    return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "policy": spec.policy,
+            "profile": spec.profile,
             "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
             "completed": len(done), "rejected": sum(r.rejected for r in requests),
             "unfinished": len(requests) - len(done) - sum(r.rejected for r in requests),
@@ -70,10 +72,14 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
             "simulated_s": round(span, 2)}
 
 
-def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
+def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
+    """One policy instance per router replica, each built as `python -m router` builds its own."""
     factory = POLICIES[spec.policy]
-    policy = factory(spec.seed) if spec.policy == "random" else factory()
-    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), policy, spec.kv_blocks)
+    return [factory(spec.seed + i) if spec.policy == "random" else factory() for i in range(spec.num_routers)]
+
+
+def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
+    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks)
     timeline = sim.run(sim_requests(requests, spec.rate, spec.seed))
     return summarize(spec, sim, timeline)
 
@@ -83,7 +89,7 @@ def sweep(specs: list[RunSpec], requests: list[BenchRequest]) -> list[dict]:
     for spec in specs:
         result = run_one(spec, requests)
         ttft = result["ttft_s"] or {"p90": float("nan")}
-        print(f"[bench] N={spec.num_schedulers} {spec.policy} {spec.rate:g} req/s: "
+        print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {spec.policy} {spec.rate:g} req/s: "
               f"{result['output_tokens_per_s']:.1f} out tok/s, TTFT p90 {ttft['p90']:.2f}s, "
               f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}", file=sys.stderr, flush=True)
         runs.append(result)

@@ -5,14 +5,16 @@ duration comes from a cost model (benchmarks/cost_model.py) instead of a forward
 are synthetic (benchmark requests ignore EOS and run to max_tokens, so which tokens come out changes nothing).
 The prefix index is what the schedulers' KV events would publish to Redis, applied as each step ends; the load
 the router sees is each scheduler's registration as of its last heartbeat. Requests are routed on arrival by the
-same policy function `ferry up` runs, and admission control (a full queue: try the next) is the real one.
+same policy function `ferry up` runs, and admission control (a full queue: try the next) is the real one. With
+several routers (replicas behind a load balancer) each has its own policy instance and in-flight counts, arrivals
+go to them in turn, and a request's finish is told to the router that routed it.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from benchmarks.cost_model import CostProfile, step_work
@@ -40,6 +42,7 @@ class SimRequest:
     max_tokens: int
     block_hashes: list[int] = field(default_factory=list)
     scheduler_id: str = ""
+    router: int = 0                      # which router replica routed it
     first_token_s: float | None = None
     finished_s: float | None = None
     num_output_tokens: int = 0
@@ -54,6 +57,13 @@ class SimNode:
     info: SchedulerInfo
     step: worker_pb2.StepRequest | None = None
     busy_s: float = 0.0
+
+
+@dataclass
+class SimRouter:
+    """One router replica: its own policy instance (its routing history) and the requests it has in flight."""
+    policy: RoutingPolicy
+    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
 @dataclass
@@ -95,15 +105,17 @@ def synthetic_result(scheduler: Scheduler) -> worker_pb2.StepResult:
 
 
 class ClusterSim:
-    """Event loop: arrivals, step completions and heartbeats, in time order."""
+    """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
+    a list of them: one per router replica, each given every len(list)-th arrival."""
 
-    def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy, kv_blocks: int = 0,
-                 heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits()):
-        self.profile, self.policy, self.heartbeat_s, self.limits = profile, policy, heartbeat_s, limits
+    def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
+                 kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits()):
+        self.profile, self.heartbeat_s, self.limits = profile, heartbeat_s, limits
+        self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
+        self.arrivals = itertools.count()
         self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks)
                                                   for i in range(num_schedulers))}
         self.index = PrefixIndex()
-        self.pending: dict[str, int] = defaultdict(int)
         self.requests: dict[str, SimRequest] = {}
         self.events: list[tuple[float, int, Callable, object]] = []
         self.order = itertools.count()
@@ -126,11 +138,13 @@ class ClusterSim:
         return requests
 
     def arrive(self, request: SimRequest) -> None:
-        routing = RoutingInput(request.prompt, request.block_hashes, dict(self.pending),
+        request.router = next(self.arrivals) % len(self.routers)    # the load balancer in front: round robin
+        router = self.routers[request.router]
+        routing = RoutingInput(request.prompt, request.block_hashes, dict(router.pending),
                                self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
                                request_id=request.request_id)
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        for info in self.policy([n.info for n in self.nodes.values()], routing):
+        for info in router.policy([n.info for n in self.nodes.values()], routing):
             node = self.nodes[info.scheduler_id]
             try:
                 self.limits.check(node.scheduler, len(request.prompt))
@@ -138,7 +152,7 @@ class ClusterSim:
                 continue
             node.scheduler.add_request(request.request_id, request.prompt, params)
             request.scheduler_id = node.scheduler_id
-            self.pending[node.scheduler_id] += 1
+            router.pending[node.scheduler_id] += 1
             if node.step is None:
                 self.start_step(node)
             return
@@ -166,9 +180,10 @@ class ClusterSim:
         request.num_output_tokens += num_tokens
         if finished:
             request.finished_s = self.now
-            self.pending[request.scheduler_id] -= 1
+            router = self.routers[request.router]
+            router.pending[request.scheduler_id] -= 1
             self.outstanding -= 1
-            notify_finished(self.policy, request_id)
+            notify_finished(router.policy, request_id)
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():

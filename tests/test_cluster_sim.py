@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import pytest
 
+from benchmarks import workloads
+from benchmarks.cluster_bench import RunSpec, run_one, sim_requests, summarize
 from benchmarks.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
 from benchmarks.cost_fit import StepSample, fit
 from benchmarks.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
-from router.policy import POLICIES
+from protos.registry import SchedulerInfo
+from router.policy import POLICIES, RoutingInput
 
 SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,
                            decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64)
@@ -99,6 +103,43 @@ def test_a_full_queue_sends_the_request_to_the_next_scheduler():
     done = sim.run([SimRequest(f"r{i}", 0.0, prompt + [i], 2) for i in range(3)])
     assert all(r.finished_s is not None for r in done)
     assert len({r.scheduler_id for r in done}) == 2
+
+
+@dataclass
+class RecordingPolicy:
+    """A router's policy that remembers what it routed and which finishes it was told of."""
+    routed: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        self.routed.append(request.request_id)
+        return sorted(candidates, key=lambda info: info.scheduler_id)
+
+    def finish(self, request_id: str) -> None:
+        self.finished.append(request_id)
+
+
+def test_two_routers_take_arrivals_in_turn_and_each_hears_the_finishes_of_its_own_requests():
+    first, second = RecordingPolicy(), RecordingPolicy()
+    sim = ClusterSim(2, SECONDS_PER_STEP, [first, second])
+    done = sim.run([SimRequest(f"r{i}", 0.1 * i, list(range(100 + 40 * i, 132 + 40 * i)), 2 + i % 3)
+                    for i in range(5)])
+    assert (first.routed, second.routed) == (["r0", "r2", "r4"], ["r1", "r3"])
+    assert sorted(first.finished) == first.routed and sorted(second.finished) == second.routed
+    assert first.finished != first.routed        # r4 (3 tokens) ends before r2 (4): finishes come in their own order
+    assert all(r.finished_s is not None for r in done)
+    assert all(router.pending == {"sched-00": 0} for router in sim.routers)   # each router's in-flight count
+
+
+def test_one_router_in_a_list_runs_exactly_as_the_single_router_simulation():
+    requests = workloads.load("tenants", num_requests=120)
+    spec = RunSpec(4, "cache_aware", 2.0, "h100_llama8b", kv_blocks=512, num_routers=1)
+    single = ClusterSim(4, load_profile("h100_llama8b"), POLICIES["cache_aware"](), kv_blocks=512)
+    single_runs = summarize(spec, single, single.run(sim_requests(requests, spec.rate, spec.seed)))
+    assert run_one(spec, requests) == single_runs
+    multi = run_one(replace(spec, num_routers=4), requests)
+    assert multi["completed"] == single_runs["completed"] == 120
+    assert multi != {**single_runs, "num_routers": 4}   # four routers' histories route differently
 
 
 def test_ferry_bench_cluster_runs_a_small_sweep_and_writes_its_plot(tmp_path):
