@@ -50,6 +50,8 @@ def add_cluster_parser(bench) -> None:
     cluster.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
     cluster.add_argument("--num-routers", type=int, default=1, help="router replicas, each with its own policy "
                                                                     "state; arrivals go to them in turn")
+    cluster.add_argument("--heartbeat-s", type=float, default=1.0, help="how often the schedulers publish their "
+                                                                        "load (cache_aware's window follows)")
     cluster.add_argument("--plot-dir", type=Path)
     cluster.set_defaults(handler=run_cluster)
 
@@ -110,7 +112,8 @@ def run_cluster(args) -> int:
     from benchmarks.cluster_bench import RunSpec, claims, sweep, table
 
     requests = load_requests(args)
-    specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers)
+    specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
+                     args.heartbeat_s)
              for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
              for policy in args.policies.split(",")]
     runs = sweep(specs, requests)

@@ -14,7 +14,7 @@ import numpy as np
 from benchmarks.cluster_sim import ClusterSim, SimRequest
 from benchmarks.cost_model import load_profile
 from benchmarks.workloads import BenchRequest
-from router.policy import POLICIES, RoutingPolicy
+from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
 
 TTFT_TARGET_S = 2.0
 
@@ -28,6 +28,7 @@ class RunSpec:
     kv_blocks: int = 0
     seed: int = 0
     num_routers: int = 1
+    heartbeat_s: float = 1.0             # how often the schedulers publish their load (ttl / 3 in `ferry up`)
 
     @property
     def rate(self) -> float:
@@ -60,8 +61,8 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
     counters = [n.scheduler.block_manager.counters for n in sim.nodes.values()]
     queries, hits = sum(c.queries for c in counters), sum(c.hits for c in counters)
     busy = [n.busy_s for n in sim.nodes.values()]
-    return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "policy": spec.policy,
-            "profile": spec.profile,
+    return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "heartbeat_s": spec.heartbeat_s,
+            "policy": spec.policy, "profile": spec.profile,
             "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
             "completed": len(done), "rejected": sum(r.rejected for r in requests),
             "unfinished": len(requests) - len(done) - sum(r.rejected for r in requests),
@@ -73,13 +74,19 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
 
 
 def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
-    """One policy instance per router replica, each built as `python -m router` builds its own."""
+    """One policy instance per router replica, each built as `python -m router` builds its own; cache_aware's
+    window of routed work the schedulers' load cannot show yet is one heartbeat, as in the router."""
     factory = POLICIES[spec.policy]
-    return [factory(spec.seed + i) if spec.policy == "random" else factory() for i in range(spec.num_routers)]
+    policies = [factory(spec.seed + i) if spec.policy == "random" else factory() for i in range(spec.num_routers)]
+    for policy in policies:
+        if isinstance(policy, CacheAwarePolicy):
+            policy.recent_window_s = spec.heartbeat_s
+    return policies
 
 
 def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
-    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks)
+    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks,
+                     spec.heartbeat_s)
     timeline = sim.run(sim_requests(requests, spec.rate, spec.seed))
     return summarize(spec, sim, timeline)
 

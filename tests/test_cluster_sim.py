@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from benchmarks import workloads
-from benchmarks.cluster_bench import RunSpec, run_one, sim_requests, summarize
+from benchmarks.cluster_bench import RunSpec, router_policies, run_one, sim_requests, summarize
 from benchmarks.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
 from benchmarks.cost_fit import StepSample, fit
 from benchmarks.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
@@ -140,6 +140,12 @@ def test_one_router_in_a_list_runs_exactly_as_the_single_router_simulation():
     multi = run_one(replace(spec, num_routers=4), requests)
     assert multi["completed"] == single_runs["completed"] == 120
     assert multi != {**single_runs, "num_routers": 4}   # four routers' histories route differently
+
+
+def test_each_router_builds_its_own_cache_aware_policy_whose_window_is_one_heartbeat():
+    first, second = router_policies(RunSpec(4, "cache_aware", 1.0, "h100_llama8b", num_routers=2, heartbeat_s=0.25))
+    assert first is not second and first.history is not second.history
+    assert first.recent_window_s == second.recent_window_s == 0.25
 
 
 def test_ferry_bench_cluster_runs_a_small_sweep_and_writes_its_plot(tmp_path):
