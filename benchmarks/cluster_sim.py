@@ -106,11 +106,13 @@ def synthetic_result(scheduler: Scheduler) -> worker_pb2.StepResult:
 
 class ClusterSim:
     """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
-    a list of them: one per router replica, each given every len(list)-th arrival."""
+    a list of them: one per router replica, each given every len(list)-th arrival. `index_admitted` is a what-if:
+    the schedulers also publish a prompt's blocks when they admit it, not only once computed."""
 
     def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
-                 kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits()):
-        self.profile, self.heartbeat_s, self.limits = profile, heartbeat_s, limits
+                 kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
+                 index_admitted: bool = False):
+        self.profile, self.heartbeat_s, self.limits, self.index_admitted = profile, heartbeat_s, limits, index_admitted
         self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
         self.arrivals = itertools.count()
         self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks)
@@ -153,6 +155,8 @@ class ClusterSim:
             node.scheduler.add_request(request.request_id, request.prompt, params)
             request.scheduler_id = node.scheduler_id
             router.pending[node.scheduler_id] += 1
+            if self.index_admitted:
+                self.index.apply(node.scheduler_id, request.block_hashes, [])
             if node.step is None:
                 self.start_step(node)
             return
