@@ -64,6 +64,27 @@ struct Q8_0 {
 };
 
 #if FERRY_PANEL_FMA
+// Each of R rows' k-th input times one k's 16 weights, added into the row's sums.
+template <int R>
+inline __attribute__((always_inline)) void multiply_add_rows(const ferry::RowBlock<R>& block, int64_t k,
+                                                             __m256 w_low, __m256 w_high, __m256 (&low)[R],
+                                                             __m256 (&high)[R]) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 xk = _mm256_broadcast_ss(block.x_rows[r] + k);
+    low[r] = _mm256_fmadd_ps(xk, w_low, low[r]);
+    high[r] = _mm256_fmadd_ps(xk, w_high, high[r]);
+  }
+}
+
+template <int R>
+inline __attribute__((always_inline)) void store_rows(const ferry::RowBlock<R>& block, const __m256 (&low)[R],
+                                                      const __m256 (&high)[R]) {
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(block.y_rows[r], low[r]);
+    _mm256_storeu_ps(block.y_rows[r] + 8, high[r]);
+  }
+}
+
 // R rows times one panel, each weight widened in registers as it is used (a pass through an fp32 buffer costs more
 // than the widening at the few rows this kernel is for).
 template <int R, typename Format>
@@ -75,17 +96,10 @@ void rows_from_blocks(Format format, const ferry::RowBlock<R>& block, int64_t k_
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
       __m256 w_low, w_high;
       format.weights(k, w_low, w_high);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xk = _mm256_broadcast_ss(block.x_rows[r] + k);
-        low[r] = _mm256_fmadd_ps(xk, w_low, low[r]);
-        high[r] = _mm256_fmadd_ps(xk, w_high, high[r]);
-      }
+      multiply_add_rows(block, k, w_low, w_high, low, high);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(block.y_rows[r], low[r]);
-    _mm256_storeu_ps(block.y_rows[r] + 8, high[r]);
-  }
+  store_rows(block, low, high);
 }
 #else
 template <int R, typename Format>
@@ -129,17 +143,9 @@ void rows_over_chunk(const ferry::RowBlock<R>& block, const float* buffer, int64
   }
   for (int64_t k = k_begin; k < k_end; ++k) {
     const float* weights = buffer + (k - k_begin) * kPanel;
-    const __m256 w_low = _mm256_loadu_ps(weights), w_high = _mm256_loadu_ps(weights + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xk = _mm256_broadcast_ss(block.x_rows[r] + k);
-      low[r] = _mm256_fmadd_ps(xk, w_low, low[r]);
-      high[r] = _mm256_fmadd_ps(xk, w_high, high[r]);
-    }
+    multiply_add_rows(block, k, _mm256_loadu_ps(weights), _mm256_loadu_ps(weights + 8), low, high);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(block.y_rows[r], low[r]);
-    _mm256_storeu_ps(block.y_rows[r] + 8, high[r]);
-  }
+  store_rows(block, low, high);
 }
 
 // A pass over the buffer with fewer than 5 rows leaves the FMA units waiting on their latency (measured per row on
