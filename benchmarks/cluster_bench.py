@@ -78,7 +78,8 @@ def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
     """One policy instance per router replica, each built as `python -m router` builds its own; cache_aware's
     window of routed work the schedulers' load cannot show yet is one heartbeat, as in the router."""
     factory = POLICIES[spec.policy]
-    policies = [factory(spec.seed + i) if spec.policy == "random" else factory() for i in range(spec.num_routers)]
+    policies = [factory(spec.seed + i) if spec.policy == "random" else factory(i) if spec.policy == "round_robin"
+                else factory() for i in range(spec.num_routers)]   # seeded: the same figures run to run
     for policy in policies:
         if isinstance(policy, CacheAwarePolicy):
             policy.recent_window_s = spec.heartbeat_s

@@ -152,8 +152,10 @@ def random_policy(seed: int | None = None) -> RoutingPolicy:
     return random_choice
 
 
-def round_robin_policy() -> RoutingPolicy:
-    turns = itertools.count()
+def round_robin_policy(start: int | None = None) -> RoutingPolicy:
+    """Turns over the schedulers sorted by id, from `start` (default: a random turn, so that router replicas started
+    together do not all send their first requests to the same scheduler, and then their next ones to the next)."""
+    turns = itertools.count(random.randrange(1 << 30) if start is None else start)
 
     def round_robin(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
         ordered = sorted(candidates, key=lambda info: info.scheduler_id)

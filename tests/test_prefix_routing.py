@@ -44,8 +44,15 @@ def test_without_hits_equal_prefixes_go_to_the_same_rendezvous_winner():
 
 def test_round_robin_takes_turns():
     policy = POLICIES["round_robin"]()
-    schedulers = [info("a"), info("b")]
-    assert [policy(schedulers, routing({}))[0].scheduler_id for _ in range(4)] == ["a", "b", "a", "b"]
+    schedulers = [info("a"), info("b"), info("c")]
+    picks = [policy(schedulers, routing({}))[0].scheduler_id for _ in range(6)]
+    assert sorted(picks[:3]) == ["a", "b", "c"] and picks[3:] == picks[:3]
+
+
+def test_round_robin_replicas_start_at_different_schedulers():
+    schedulers = [info(f"s{i:02d}") for i in range(16)]
+    firsts = {POLICIES["round_robin"]()(schedulers, routing({}))[0].scheduler_id for _ in range(8)}
+    assert len(firsts) > 1   # all 8 on one scheduler: 16**-7 by chance, certain with a shared start
 
 
 @pytest.fixture(scope="module")
