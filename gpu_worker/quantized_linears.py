@@ -36,12 +36,12 @@ class QuantizedLinear(nn.Module):
         self.weight_blocks = weight
         self.bias = bias
         self.kernel = kernel
-        self.vector_isa = kernel.vector_isa()
+        self.max_rows = MAX_QUANTIZED_ROWS[kernel.vector_isa()]
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > MAX_QUANTIZED_ROWS[self.vector_isa]:
+        if rows.shape[0] > self.max_rows:
             return self.dense(x)
         blocks = self.weight_blocks
         out = self.kernel.quantized_linear(rows.contiguous(), blocks.scales, blocks.mins, blocks.quants)
