@@ -28,11 +28,15 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return length
 
 
+def tenant_key(request: BenchRequest) -> tuple[int, ...]:
+    return tuple(request.prompt_token_ids[:TENANT_KEY_TOKENS])
+
+
 def tenant_prefix_blocks(requests: list[BenchRequest]) -> list[int]:
     """Per request: the full blocks of the prefix it shares with the other requests of its tenant (0: alone)."""
     by_tenant: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, request in enumerate(requests):
-        by_tenant[tuple(request.prompt_token_ids[:TENANT_KEY_TOKENS])].append(i)
+        by_tenant[tenant_key(request)].append(i)
     blocks = [0] * len(requests)
     for members in by_tenant.values():
         if len(members) < 2:
@@ -46,7 +50,7 @@ def tenant_prefix_blocks(requests: list[BenchRequest]) -> list[int]:
 
 def bounds(requests: list[BenchRequest]) -> dict[str, float]:
     blocks = tenant_prefix_blocks(requests)
-    keys = [tuple(r.prompt_token_ids[:TENANT_KEY_TOKENS]) for r in requests]
+    keys = [tenant_key(r) for r in requests]
     total = sum(len(r.prompt_token_ids) for r in requests)
     seen_once: set[tuple[int, ...]] = set()
     seen_per_scheduler: set[tuple[tuple[int, ...], int]] = set()
