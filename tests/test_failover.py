@@ -155,6 +155,14 @@ def busy(cluster: Cluster, index: int) -> bool:
     return stats.num_running >= 2 and stats.num_waiting >= 1
 
 
+def busy_mid_stream(cluster: Cluster, index: int, longest_prompt: int) -> bool:
+    """Busy, and its running requests past their prefill: on average 4 tokens into their answers, so a kill now cuts
+    streams that have started (a kill during the first step of a fresh batch cuts none, and all are retried)."""
+    stats = cluster.services.scheduler_stats(cluster.services.scheduler_addresses[index])
+    return (stats.num_running >= 2 and stats.num_waiting >= 1
+            and stats.running_tokens >= stats.num_running * (longest_prompt + 4))
+
+
 def steady_stream(cluster: Cluster, count: int, kill_when, kill) -> list[Outcome]:
     """count requests of every kind, 12 at a time; `kill` runs once, as soon as `kill_when` holds."""
     cases = [(KINDS[i % len(KINDS)], i % len(PROMPTS)) for i in range(count)]
@@ -179,7 +187,9 @@ def test_killed_worker_loses_no_request_another_scheduler_could_serve(tiny_llama
     cluster = start_cluster(tiny_llama_dir, 2, **{"--max-num-seqs": "4"})
     try:
         victim = cluster.worker_of(1)
-        outcomes = steady_stream(cluster, 72, lambda: busy(cluster, 1), lambda: os.kill(victim, signal.SIGKILL))
+        longest_prompt = max(len(load_tokenizer(str(tiny_llama_dir)).encode(p)) for p in PROMPTS)
+        outcomes = steady_stream(cluster, 72, lambda: busy_mid_stream(cluster, 1, longest_prompt),
+                                 lambda: os.kill(victim, signal.SIGKILL))
         for o in outcomes:
             if o.ok:        # exactly the engine's answer, once: no token lost, repeated or from two attempts
                 assert o.text == expected_text[o.prompt] and o.num_tokens == MAX_TOKENS, o
