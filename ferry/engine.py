@@ -92,7 +92,9 @@ class Engine:
             return []
         result = self.worker.step(step)
         self.last_step_seconds = result.forward_seconds
-        return self.scheduler.update(step, result)
+        outputs = self.scheduler.update(step, result)
+        self.scheduler.drain_kv_events()   # no prefix index to publish them to; undrained, they would pile up
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort_request(request_id)
