@@ -3,7 +3,7 @@ copy-on-write for shared partly filled blocks."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from protos.block_hash import next_block_hash
@@ -36,6 +36,7 @@ class BlockManager:
     root_hash: int
     enable_prefix_caching: bool = True
     sliding_window: int = 0            # every layer attends to its last this many positions (0: to all)
+    announce_prompts: bool = True      # publish a queued prompt's blocks before computed (announce)
     counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
     def __post_init__(self) -> None:
@@ -43,6 +44,7 @@ class BlockManager:
         # Unreferenced blocks, next to be reused first; cached ones stay findable until they reach the front.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self.cached: dict[int, int] = {}           # block hash -> block id
+        self.announced: Counter[int] = Counter()   # block hash -> queued prompts that will compute it
         self.num_cached_free_blocks = 0            # free blocks still holding a reusable prefix
         self.pending_copies: list[tuple[int, int]] = []
         self.stored_events: list[int] = []
@@ -104,14 +106,43 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self.cached:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block.block_id
-                self.stored_events.append(block_hash)
+                if block_hash not in self.announced:
+                    self.stored_events.append(block_hash)
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+        if seq.announced_hashes and full >= len(seq.announced_hashes):
+            self.withdraw(seq)
+
+    def announce(self, seq: Sequence) -> None:
+        """Publish the full blocks of seq's prompt now, before they are computed: with several router replicas, a
+        queued prompt is otherwise in nobody's prefix index but its own router's, for as long as it queues."""
+        if not (self.enable_prefix_caching and self.announce_prompts):
+            return
+        self.update_hashes(seq)
+        seq.announced_hashes = list(seq.block_hashes)
+        for block_hash in seq.announced_hashes:
+            if not self.published(block_hash):
+                self.stored_events.append(block_hash)
+            self.announced[block_hash] += 1
+
+    def withdraw(self, seq: Sequence) -> None:
+        """seq's prompt is computed (its blocks are in the cache, unless already evicted) or abandoned."""
+        for block_hash in seq.announced_hashes:
+            self.announced[block_hash] -= 1
+            if not self.announced[block_hash]:
+                del self.announced[block_hash]
+                if block_hash not in self.cached:
+                    self.removed_events.append(block_hash)
+        seq.announced_hashes = []
+
+    def published(self, block_hash: int) -> bool:
+        """What the prefix index should say this scheduler holds: cached blocks and announced ones."""
+        return block_hash in self.cached or block_hash in self.announced
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """(stored, removed) since the last drain, netted to disjoint lists: a hash evicted and stored again in
         between is reported stored, one stored and evicted is reported removed, whatever order they are applied in."""
-        stored = list(dict.fromkeys(h for h in self.stored_events if h in self.cached))
-        removed = list(dict.fromkeys(h for h in self.removed_events if h not in self.cached))
+        stored = list(dict.fromkeys(h for h in self.stored_events if self.published(h)))
+        removed = list(dict.fromkeys(h for h in self.removed_events if not self.published(h)))
         self.stored_events, self.removed_events = [], []
         return stored, removed
 
@@ -161,6 +192,8 @@ class BlockManager:
         child.num_registered_blocks = min(parent.num_registered_blocks, len(child.block_hashes))
 
     def free(self, seq: Sequence) -> None:
+        # A prompt preempted before it was computed is withdrawn too: its recompute is not announced again.
+        self.withdraw(seq)
         # The tail blocks go in last-freed-first: they are the least likely to be shared again.
         for block_id in reversed(seq.block_ids[seq.num_freed_blocks:]):
             self.release_block(block_id)

@@ -69,6 +69,7 @@ class Scheduler:
         request.seqs.append(first)
         request.forked = params.n == 1
         self.requests[request_id] = request
+        self.block_manager.announce(first)
         if params.structured_output is not None or params.bad_words:
             self.structured.submit(request_id, params.structured_output, params.bad_words)
             self.compiling.append(first)

@@ -83,6 +83,7 @@ class EngineLoop:
         check_token_ids(prompt_token_ids, self.info.vocab_size)
         self.limits.check(self.scheduler, len(prompt_token_ids))
         self.scheduler.add_request(request_id, prompt_token_ids, params)
+        self.on_kv_events(*self.scheduler.drain_kv_events())    # its prompt's blocks, announced at once
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = RequestStream(request_id, params.n, outputs)
         self.streams[request_id] = stream
@@ -94,6 +95,7 @@ class EngineLoop:
         self.streams.pop(request_id, None)
         self.telemetry.on_abort(request_id)
         self.scheduler.abort_request(request_id)
+        self.on_kv_events(*self.scheduler.drain_kv_events())    # a prompt announced, never computed, withdrawn
 
     async def run(self) -> None:
         """Step until cancelled; a failed worker fails the in-flight requests and is restarted once per failure."""

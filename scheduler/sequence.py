@@ -27,6 +27,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of the full blocks of token_ids
     num_registered_blocks: int = 0                 # leading blocks already offered to the prefix cache
+    announced_hashes: list[int] = field(default_factory=list)   # published before computed (BlockManager.announce)
     num_blocks_sent: int = 0                       # leading block ids the worker already knows
     num_freed_blocks: int = 0                      # leading blocks given back: wholly before the sliding window
     num_preemptions: int = 0

@@ -152,13 +152,17 @@ def test_the_least_recently_freed_prefix_is_evicted_first():
 
 class BlockPoolMachine(RuleBasedStateMachine):
     """Random admissions (with prefix hits), computation, forks and frees against a simulated KV pool: every
-    computed position of every live sequence must read back its own token, whoever else shares the block."""
+    computed position of every live sequence must read back its own token, whoever else shares the block. Prompts
+    may queue first (announced), then be admitted or abandoned; the prefix index built from the drained KV events
+    must always say exactly what is cached or announced."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(24, BLOCK_SIZE, root_hash("m"))
         self.pool: dict[tuple[int, int], int] = {}      # (block, slot) -> token whose KV is stored there
         self.live: list[Sequence] = []
+        self.queued: list[Sequence] = []
+        self.index: set[int] = set()                    # what a router reading the drained events believes
         self.names = iter(range(10**6))
 
     def write(self, seq: Sequence, num_tokens: int) -> None:
@@ -179,6 +183,38 @@ class BlockPoolMachine(RuleBasedStateMachine):
         if self.bm.allocate(seq, hits, seq.num_tokens - len(hits) * BLOCK_SIZE):
             self.live.append(seq)
             self.write(seq, seq.num_tokens - seq.num_computed_tokens)
+
+    @rule(tokens=st.lists(st.integers(3, 6), min_size=1, max_size=20))
+    def queue(self, tokens):
+        seq = make_seq(f"s{next(self.names)}", tokens)
+        self.bm.announce(seq)
+        self.queued.append(seq)
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data())
+    def admit_queued(self, data):
+        seq = data.draw(st.sampled_from(self.queued))
+        hits = self.bm.match_prefix(seq)
+        if self.bm.allocate(seq, hits, seq.num_tokens - len(hits) * BLOCK_SIZE):
+            self.queued.remove(seq)
+            self.live.append(seq)
+            self.write(seq, seq.num_tokens - seq.num_computed_tokens)
+
+    @precondition(lambda self: self.queued)
+    @rule(data=st.data())
+    def abandon_queued(self, data):
+        seq = data.draw(st.sampled_from(self.queued))
+        self.queued.remove(seq)
+        self.bm.free(seq)
+
+    @rule()
+    def publish(self):
+        stored, removed = self.bm.drain_events()
+        assert not set(stored) & set(removed)
+        self.index = (self.index | set(stored)) - set(removed)
+        assert self.index == set(self.bm.cached) | set(self.bm.announced)
+        for seq in self.queued:
+            assert set(hash_blocks(seq.token_ids, BLOCK_SIZE, "m")) <= self.index, "a queued prompt is unpublished"
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(3, 6))
@@ -218,10 +254,17 @@ class BlockPoolMachine(RuleBasedStateMachine):
             for p in range(seq.num_computed_tokens):
                 assert self.pool[seq.block_ids[p // BLOCK_SIZE], p % BLOCK_SIZE] == seq.token_ids[p]
 
+    @invariant()
+    def only_queued_prompts_are_announced(self):
+        assert self.bm.announced == Counter(h for s in self.queued for h in s.announced_hashes)
+        assert not any(s.announced_hashes for s in self.live)
+
     def teardown(self):
-        for seq in self.live:
+        for seq in self.live + self.queued:
             self.bm.free(seq)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
+        self.live, self.queued = [], []
+        assert self.bm.num_free_blocks == self.bm.num_blocks and not self.bm.announced
+        self.publish()
 
 
 BlockPoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

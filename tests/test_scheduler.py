@@ -8,6 +8,7 @@ import pytest
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from protos import worker_pb2
+from protos.block_hash import hash_blocks
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
 
@@ -263,6 +264,30 @@ def test_stats_report_queues_blocks_and_counters():
     assert stats.num_cached_free_blocks == 3 and stats.num_free_blocks == 64
     stored, removed = scheduler.drain_kv_events()
     assert len(stored) == 3 and removed == [] and scheduler.drain_kv_events() == ([], [])
+
+
+def test_a_queued_prompt_is_published_at_admission_and_withdrawn_if_aborted_before_it_ran():
+    """With several router replicas, a prompt queued here must be in the prefix index before it is computed; one
+    that leaves without running must not stay there."""
+    scheduler, worker = make_scheduler(max_num_seqs=1), FakeWorker()
+    first, queued = list(range(3, 13)), list(range(30, 40))       # two full blocks each
+    scheduler.add_request("a", first, params(3))
+    scheduler.add_request("b", queued, params(3))                 # waits: one seat
+    first_blocks, queued_blocks = (hash_blocks(p, BLOCK_SIZE, "tiny") for p in (first, queued))
+    assert scheduler.drain_kv_events() == (first_blocks + queued_blocks, [])
+    run_step(scheduler, worker)                                   # a computed: cached now, nothing changes
+    assert scheduler.drain_kv_events() == ([], []) and len(scheduler.waiting) == 1
+    scheduler.abort_request("b")
+    assert scheduler.drain_kv_events() == ([], queued_blocks)
+    run_to_end(scheduler, worker)                                 # a's answer fills a third block
+    stored, removed = scheduler.drain_kv_events()
+    assert len(stored) == 1 and removed == [] and set(first_blocks) <= set(scheduler.block_manager.cached)
+
+
+def test_without_prefix_caching_nothing_is_announced():
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    scheduler.add_request("a", list(range(3, 13)), params(3))
+    assert scheduler.drain_kv_events() == ([], []) and not scheduler.block_manager.announced
 
 
 def test_queued_prefill_counts_a_prompt_shared_by_the_queue_once():
