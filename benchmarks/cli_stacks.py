@@ -52,8 +52,8 @@ def add_cluster_parser(bench) -> None:
                                                                     "state; arrivals go to them in turn")
     cluster.add_argument("--heartbeat-s", type=float, default=1.0, help="how often the schedulers publish their "
                                                                         "load (cache_aware's window follows)")
-    cluster.add_argument("--index-admitted", action="store_true", help="what-if: the schedulers publish a prompt's "
-                                                                       "blocks when they admit it, not once computed")
+    cluster.add_argument("--no-announce-prompts", dest="announce_prompts", action="store_false",
+                         help="what-if: the schedulers publish a prompt's blocks only once computed, not at admission")
     cluster.add_argument("--plot-dir", type=Path)
     cluster.set_defaults(handler=run_cluster)
 
@@ -115,7 +115,7 @@ def run_cluster(args) -> int:
 
     requests = load_requests(args)
     specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
-                     args.heartbeat_s, args.index_admitted)
+                     args.heartbeat_s, args.announce_prompts)
              for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
              for policy in args.policies.split(",")]
     runs = sweep(specs, requests)

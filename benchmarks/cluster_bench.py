@@ -29,7 +29,7 @@ class RunSpec:
     seed: int = 0
     num_routers: int = 1
     heartbeat_s: float = 1.0             # how often the schedulers publish their load (ttl / 3 in `ferry up`)
-    index_admitted: bool = False         # what-if: admitted prompts' blocks enter the prefix index before computed
+    announce_prompts: bool = True        # admitted prompts' blocks enter the prefix index before computed
 
     @property
     def rate(self) -> float:
@@ -63,7 +63,7 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
     queries, hits = sum(c.queries for c in counters), sum(c.hits for c in counters)
     busy = [n.busy_s for n in sim.nodes.values()]
     return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "heartbeat_s": spec.heartbeat_s,
-            "index_admitted": spec.index_admitted, "policy": spec.policy, "profile": spec.profile,
+            "announce_prompts": spec.announce_prompts, "policy": spec.policy, "profile": spec.profile,
             "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
             "completed": len(done), "rejected": sum(r.rejected for r in requests),
             "unfinished": len(requests) - len(done) - sum(r.rejected for r in requests),
@@ -88,7 +88,7 @@ def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
 
 def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
     sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks,
-                     spec.heartbeat_s, index_admitted=spec.index_admitted)
+                     spec.heartbeat_s, announce_prompts=spec.announce_prompts)
     timeline = sim.run(sim_requests(requests, spec.rate, spec.seed))
     return summarize(spec, sim, timeline)
 

@@ -88,9 +88,10 @@ def registration(node_id: str, scheduler: Scheduler) -> SchedulerInfo:
                          stats.num_waiting, stats.num_running, stats.waiting_tokens, stats.running_tokens)
 
 
-def new_node(index: int, profile: CostProfile, kv_blocks: int) -> SimNode:
+def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = True) -> SimNode:
     config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
     scheduler = Scheduler(config, kv_blocks, BLOCK_SIZE, MAX_MODEL_LEN, [], MODEL)
+    scheduler.block_manager.announce_prompts = announce_prompts
     node_id = f"sched-{index:02d}"
     return SimNode(node_id, scheduler, registration(node_id, scheduler))
 
@@ -106,17 +107,17 @@ def synthetic_result(scheduler: Scheduler) -> worker_pb2.StepResult:
 
 class ClusterSim:
     """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
-    a list of them: one per router replica, each given every len(list)-th arrival. `index_admitted` is a what-if:
-    the schedulers also publish a prompt's blocks when they admit it, not only once computed."""
+    a list of them: one per router replica, each given every len(list)-th arrival. `announce_prompts=False` is a
+    what-if: the schedulers publish a prompt's blocks only once computed, not when they admit it."""
 
     def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
                  kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
-                 index_admitted: bool = False):
-        self.profile, self.heartbeat_s, self.limits, self.index_admitted = profile, heartbeat_s, limits, index_admitted
+                 announce_prompts: bool = True):
+        self.profile, self.heartbeat_s, self.limits = profile, heartbeat_s, limits
         self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
         self.arrivals = itertools.count()
-        self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks)
-                                                  for i in range(num_schedulers))}
+        self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks,
+                                                           announce_prompts) for i in range(num_schedulers))}
         self.index = PrefixIndex()
         self.requests: dict[str, SimRequest] = {}
         self.events: list[tuple[float, int, Callable, object]] = []
@@ -155,8 +156,7 @@ class ClusterSim:
             node.scheduler.add_request(request.request_id, request.prompt, params)
             request.scheduler_id = node.scheduler_id
             router.pending[node.scheduler_id] += 1
-            if self.index_admitted:
-                self.index.apply(node.scheduler_id, request.block_hashes, [])
+            self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())   # as scheduler/engine_loop
             if node.step is None:
                 self.start_step(node)
             return
