@@ -3,7 +3,7 @@
 The dataclass is the one source: the command-line flags (add_engine_arguments), the config they parse into
 (engine_config), the flags that hand a config to another process (engine_flags) and the worker's wire
 InitRequest (init_request) are all generated from its fields. A field's metadata holds what a flag adds:
-its help text, its choices, or the flag that turns a default-on switch off.
+its help text, its choices, or the flag that turns a default-on switch off (a default-off one on).
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = field(default=True, metadata={"switch_off": "--no-prefix-caching"})
+    announce_prompts: bool = field(default=False, metadata={
+        "switch_on": "--announce-prompts",
+        "help": "publish a prompt's blocks to the prefix index when admitted, not once computed (many routers)"})
     # static | contiguous: the benchmark baselines (scheduler/baselines.py)
     batching: str = field(default="continuous", metadata={"choices": BATCHING_MODES})
     kv_layout: str = field(default="paged", metadata={"choices": KV_LAYOUTS})
@@ -59,11 +62,14 @@ def flag_name(config_field: Field) -> str:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field: --field-name VALUE, or the field's switch_off flag for a default-on bool."""
+    """One flag per EngineConfig field: --field-name VALUE, or the switch_off / switch_on flag of a bool."""
     for config_field in fields(EngineConfig):
         help_text = config_field.metadata.get("help")
         if "switch_off" in config_field.metadata:
             parser.add_argument(config_field.metadata["switch_off"], dest=config_field.name, action="store_false",
+                                help=help_text)
+        elif "switch_on" in config_field.metadata:
+            parser.add_argument(config_field.metadata["switch_on"], dest=config_field.name, action="store_true",
                                 help=help_text)
         else:
             parser.add_argument(flag_name(config_field), type=type(config_field.default),
@@ -83,6 +89,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         value = getattr(config, config_field.name)
         if "switch_off" in config_field.metadata:
             flags += [] if value else [config_field.metadata["switch_off"]]
+        elif "switch_on" in config_field.metadata:
+            flags += [config_field.metadata["switch_on"]] if value else []
         else:
             flags += [flag_name(config_field), str(value)]
     return flags

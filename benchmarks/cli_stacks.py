@@ -52,8 +52,8 @@ def add_cluster_parser(bench) -> None:
                                                                     "state; arrivals go to them in turn")
     cluster.add_argument("--heartbeat-s", type=float, default=1.0, help="how often the schedulers publish their "
                                                                         "load (cache_aware's window follows)")
-    cluster.add_argument("--no-announce-prompts", dest="announce_prompts", action="store_false",
-                         help="what-if: the schedulers publish a prompt's blocks only once computed, not at admission")
+    cluster.add_argument("--announce-prompts", action="store_true",
+                         help="the schedulers publish a prompt's blocks when they admit it, not only once computed")
     cluster.add_argument("--plot-dir", type=Path)
     cluster.set_defaults(handler=run_cluster)
 

@@ -29,7 +29,7 @@ class RunSpec:
     seed: int = 0
     num_routers: int = 1
     heartbeat_s: float = 1.0             # how often the schedulers publish their load (ttl / 3 in `ferry up`)
-    announce_prompts: bool = True        # admitted prompts' blocks enter the prefix index before computed
+    announce_prompts: bool = False       # the schedulers' --announce-prompts
 
     @property
     def rate(self) -> float:

@@ -88,10 +88,10 @@ def registration(node_id: str, scheduler: Scheduler) -> SchedulerInfo:
                          stats.num_waiting, stats.num_running, stats.waiting_tokens, stats.running_tokens)
 
 
-def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = True) -> SimNode:
-    config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
+def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = False) -> SimNode:
+    config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens,
+                          announce_prompts=announce_prompts)
     scheduler = Scheduler(config, kv_blocks, BLOCK_SIZE, MAX_MODEL_LEN, [], MODEL)
-    scheduler.block_manager.announce_prompts = announce_prompts
     node_id = f"sched-{index:02d}"
     return SimNode(node_id, scheduler, registration(node_id, scheduler))
 
@@ -107,12 +107,12 @@ def synthetic_result(scheduler: Scheduler) -> worker_pb2.StepResult:
 
 class ClusterSim:
     """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
-    a list of them: one per router replica, each given every len(list)-th arrival. `announce_prompts=False` is a
-    what-if: the schedulers publish a prompt's blocks only once computed, not when they admit it."""
+    a list of them: one per router replica, each given every len(list)-th arrival. `announce_prompts` is the
+    schedulers' --announce-prompts: they publish a prompt's blocks when they admit it, not only once computed."""
 
     def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
                  kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
-                 announce_prompts: bool = True):
+                 announce_prompts: bool = False):
         self.profile, self.heartbeat_s, self.limits = profile, heartbeat_s, limits
         self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
         self.arrivals = itertools.count()

@@ -6,7 +6,9 @@ Key scheme (every key starts with the prefix, default "ferry"):
                                       and tokens), SET with EX=ttl on every heartbeat; a dead scheduler's key
                                       expires on its own.
   <prefix>:blk:<model>:<hash>         set of scheduler ids holding the KV block whose chained hash
-                                      (protos.block_hash) is <hash> (decimal u64): SADD on store, SREM on evict.
+                                      (protos.block_hash) is <hash> (decimal u64): SADD on store, SREM on
+                                      evict; with --announce-prompts also SADD when a prompt needing it is
+                                      admitted, SREM when that prompt leaves before computing it.
 Redis accelerates routing and is never needed for correctness. The publishing side is scheduler/registry.py;
 the reading side router/discovery.py.
 """

@@ -36,7 +36,7 @@ class BlockManager:
     root_hash: int
     enable_prefix_caching: bool = True
     sliding_window: int = 0            # every layer attends to its last this many positions (0: to all)
-    announce_prompts: bool = True      # publish a queued prompt's blocks before computed (announce)
+    announce_prompts: bool = False     # publish a queued prompt's blocks before computed (announce)
     counters: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
     def __post_init__(self) -> None:

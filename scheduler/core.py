@@ -45,6 +45,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = new_block_manager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
                                                enable_prefix_caching=config.enable_prefix_caching,
+                                               announce_prompts=config.announce_prompts,
                                                sliding_window=sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()

@@ -83,7 +83,7 @@ class EngineLoop:
         check_token_ids(prompt_token_ids, self.info.vocab_size)
         self.limits.check(self.scheduler, len(prompt_token_ids))
         self.scheduler.add_request(request_id, prompt_token_ids, params)
-        self.on_kv_events(*self.scheduler.drain_kv_events())    # its prompt's blocks, announced at once
+        self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = RequestStream(request_id, params.n, outputs)
         self.streams[request_id] = stream

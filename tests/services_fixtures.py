@@ -108,8 +108,8 @@ class Secured:
 
 def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple[str, ...] = ("--http-port", "0"),
                    scheduler_env: dict[str, str] | None = None, secured: Secured = Secured(),
-                   **scheduler_flags: str) -> ServiceStack:
-    """scheduler_env: extra environment for the schedulers (and so their workers)."""
+                   **scheduler_flags: str | None) -> ServiceStack:
+    """scheduler_env: extra environment for the schedulers (and so their workers); a flag given None is a switch."""
     stack = Stack()
     try:
         redis_port = free_port()
@@ -124,7 +124,8 @@ def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple
             port = free_port()
             args = [sys.executable, "-m", "scheduler", "--port", str(port), "--scheduler-id", f"sched-{i}"]
             log = secured.log(f"sched-{i}")
-            schedulers.append(stack.start(args + [a for kv in flags.items() for a in kv], f"scheduler {i}",
+            args += [a for flag, value in flags.items() for a in ((flag,) if value is None else (flag, value))]
+            schedulers.append(stack.start(args, f"scheduler {i}",
                                           env={**CHILD_ENV, **(scheduler_env or {})}, stderr=log))
             if log is not None:
                 log.close()   # the scheduler holds its own copy

@@ -158,7 +158,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(24, BLOCK_SIZE, root_hash("m"))
+        self.bm = BlockManager(24, BLOCK_SIZE, root_hash("m"), announce_prompts=True)
         self.pool: dict[tuple[int, int], int] = {}      # (block, slot) -> token whose KV is stored there
         self.live: list[Sequence] = []
         self.queued: list[Sequence] = []

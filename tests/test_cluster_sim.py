@@ -148,8 +148,8 @@ def test_each_router_builds_its_own_cache_aware_policy_whose_window_is_one_heart
     assert first.recent_window_s == second.recent_window_s == 0.25
 
 
-@pytest.mark.parametrize("announce_prompts", [True, False])
-def test_an_admitted_prompt_enters_the_prefix_index_before_its_prefill_unless_in_the_what_if(announce_prompts: bool):
+@pytest.mark.parametrize("announce_prompts", [False, True])
+def test_an_admitted_prompt_enters_the_prefix_index_before_its_prefill_only_if_announced(announce_prompts: bool):
     sim = ClusterSim(2, SECONDS_PER_STEP, POLICIES["cache_aware"](), announce_prompts=announce_prompts)
     prompt = list(range(100, 148))
     request = SimRequest("a", 0.0, prompt, 1, block_hashes=hash_blocks(prompt, BLOCK_SIZE, MODEL))

@@ -1,7 +1,9 @@
 """Cache-aware routing: requests go where their prompt's prefix blocks already are, weighed against load."""
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import pytest
 
@@ -9,7 +11,8 @@ from protos import router_pb2, scheduler_pb2_grpc
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo
 from router.policy import POLICIES, RoutingInput, cache_aware, rendezvous_weight
-from tests.services_fixtures import collect, greedy, served_alone, start_services, wait_until
+from tests.services_fixtures import (ConnectStream, child_pids, collect, greedy, indexed_blocks, served_alone,
+                                     start_services, wait_until)
 
 
 def info(scheduler_id: str, load_tokens: int = 0) -> SchedulerInfo:
@@ -89,3 +92,23 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(services):
     hits_after = [services.scheduler_stats(a).prefix_cache_hits for a in services.scheduler_addresses]
     assert hits_after[1] - hits_before[1] >= 4 * len(prefix)
     assert hits_after[0] == hits_before[0]
+
+
+def test_an_announced_prompt_is_in_the_prefix_index_from_admission_and_leaves_it_if_aborted_uncomputed(
+        tiny_llama_dir):
+    """--announce-prompts: other router replicas see where a prompt went before it is computed; here nothing is,
+    since the worker is stopped."""
+    stack = start_services(tiny_llama_dir, 1, **{"--announce-prompts": None})
+    [worker] = child_pids(stack.schedulers[0].pid)
+    stream = ConnectStream(scheduler_pb2_grpc.SchedulerStub(stack.channel(stack.scheduler_addresses[0])))
+    redis = stack.redis()
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        stream.submit("queued", list(range(300, 364)), greedy(4))       # 64 tokens: 4 blocks of 16
+        wait_until(lambda: len(indexed_blocks(redis, "sched-0")) == 4, "the prompt's blocks published")
+        stream.abort("queued")
+        wait_until(lambda: not indexed_blocks(redis, "sched-0"), "the aborted prompt's blocks withdrawn")
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        stream.cancel()
+        stack.stop()

@@ -269,7 +269,7 @@ def test_stats_report_queues_blocks_and_counters():
 def test_a_queued_prompt_is_published_at_admission_and_withdrawn_if_aborted_before_it_ran():
     """With several router replicas, a prompt queued here must be in the prefix index before it is computed; one
     that leaves without running must not stay there."""
-    scheduler, worker = make_scheduler(max_num_seqs=1), FakeWorker()
+    scheduler, worker = make_scheduler(max_num_seqs=1, announce_prompts=True), FakeWorker()
     first, queued = list(range(3, 13)), list(range(30, 40))       # two full blocks each
     scheduler.add_request("a", first, params(3))
     scheduler.add_request("b", queued, params(3))                 # waits: one seat
@@ -284,8 +284,9 @@ def test_a_queued_prompt_is_published_at_admission_and_withdrawn_if_aborted_befo
     assert len(stored) == 1 and removed == [] and set(first_blocks) <= set(scheduler.block_manager.cached)
 
 
-def test_without_prefix_caching_nothing_is_announced():
-    scheduler = make_scheduler(enable_prefix_caching=False)
+@pytest.mark.parametrize("switches", [dict(), dict(announce_prompts=True, enable_prefix_caching=False)])
+def test_a_prompt_is_announced_only_when_asked_and_prefix_caching_is_on(switches):
+    scheduler = make_scheduler(**switches)
     scheduler.add_request("a", list(range(3, 13)), params(3))
     assert scheduler.drain_kv_events() == ([], []) and not scheduler.block_manager.announced
 

@@ -171,24 +171,6 @@ def test_kv_events_reach_the_redis_prefix_index(services):
     assert redis.smembers(key) & {b"sched-0", b"sched-1"}
 
 
-def test_a_prompt_is_in_the_prefix_index_from_admission_and_leaves_it_if_aborted_before_computed(services):
-    """Other router replicas must see where a queued prompt went before it is computed: here nothing is, since
-    the worker is stopped."""
-    address, scheduler = services.scheduler_addresses[1], services.schedulers[1]
-    redis, worker = services.redis(), worker_pid(scheduler.pid)
-    before = set(indexed_blocks(redis, "sched-1"))
-    stream = ConnectStream(scheduler_pb2_grpc.SchedulerStub(services.channel(address)))
-    os.kill(worker, signal.SIGSTOP)
-    try:
-        stream.submit("queued", list(range(300, 364)), greedy(4))       # 64 tokens: 4 blocks of 16, all new
-        wait_until(lambda: len(set(indexed_blocks(redis, "sched-1")) - before) == 4, "the prompt's blocks published")
-        stream.abort("queued")
-        wait_until(lambda: set(indexed_blocks(redis, "sched-1")) <= before, "the aborted prompt's blocks withdrawn")
-    finally:
-        os.kill(worker, signal.SIGCONT)
-        stream.cancel()
-
-
 def test_worker_crash_fails_in_flight_requests_and_the_worker_restarts(services):
     address, scheduler = services.scheduler_addresses[1], services.schedulers[1]
     stub = scheduler_pb2_grpc.SchedulerStub(services.channel(address))
