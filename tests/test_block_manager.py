@@ -203,9 +203,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.queued)
     @rule(data=st.data())
     def abandon_queued(self, data):
-        seq = data.draw(st.sampled_from(self.queued))
-        self.queued.remove(seq)
-        self.bm.free(seq)
+        self.leave(self.queued, data)
 
     @rule()
     def publish(self):
@@ -238,8 +236,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def finish(self, data):
-        seq = data.draw(st.sampled_from(self.live))
-        self.live.remove(seq)
+        self.leave(self.live, data)
+
+    def leave(self, group: list[Sequence], data) -> None:
+        """A queued prompt aborted or a live sequence done: its blocks and any announcement go back."""
+        seq = data.draw(st.sampled_from(group))
+        group.remove(seq)
         self.bm.free(seq)
 
     @invariant()
