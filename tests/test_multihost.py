@@ -205,11 +205,11 @@ def test_requests_route_end_to_end_across_hosts(cluster):
 
 def test_a_killed_scheduler_is_dropped_within_its_heartbeat_ttl(cluster):
     victim = cluster.schedulers.pop("host-a")
-    killed_at = time.monotonic()
+    # the key expires at most one TTL after the last heartbeat: checked on Redis's clock, not on a loaded machine's
+    assert 0 < cluster.redis().pttl(scheduler_key("host-a")) <= HEARTBEAT_TTL_S * 1000
     os.kill(victim.process.pid, signal.SIGKILL)    # no chance to deregister
     wait_until(lambda: cluster.registration("host-a") is None, "the dead scheduler's key to expire",
                timeout=HEARTBEAT_TTL_S + 5)
-    assert time.monotonic() - killed_at <= HEARTBEAT_TTL_S + 0.5
     time.sleep(1.0)                                 # the router's next refresh of the live schedulers
     routed_before = cluster.routed().get("host-a", 0)
     answers = [cluster.generate(prompt) for prompt in distinct_prompts(8, offset=100)]
