@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # path keep the limit of the first, in-register kernel, not measured past it.
 MAX_QUANTIZED_ROWS = {"avx2": 256, "avx512": 16, "portable": 16}
 
+
 class QuantizedLinear(nn.Module):
     def __init__(self, dense: nn.Module, weight: cpu_quant.QuantizedWeight, bias: torch.Tensor | None, kernel):
         super().__init__()

@@ -58,8 +58,8 @@ def summed_in_k_order(x: torch.Tensor, weight: torch.Tensor, fused: bool) -> tor
 
 @PATHS
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-# 1-2 rows: widened in registers; more: in a buffer, in blocks of 5-6 (5, 17, 32) or not (7, 8, 13)
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 17, 32])
+# up to 4 rows: widened in registers (1, 2, 4); more: in a buffer, in blocks of 5-6 (5, 17, 32) or not (7, 8, 13)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 13, 17, 32])
 def test_each_row_sums_the_widened_weight_in_k_order_bit_for_bit(portable, kind, rows):
     """At any batch the same bits as one row alone: the buffered path, its k in chunks of 128 (here two and a
     half), carries each sum across chunks instead of adding chunks' sums."""
