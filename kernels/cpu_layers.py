@@ -15,17 +15,8 @@ def extension(portable: bool = False):
     whatever vector extensions the machine has (tests cover both paths on any machine)."""
     flags = ["-ffp-contract=off", "-fopenmp"]
     if portable:
-        module = cpu_build.build("ferry_layer_ops_cpu_portable", "layer_ops_cpu.cpp", [*flags, "-DFERRY_PORTABLE"])
-    else:
-        module = cpu_build.build("ferry_layer_ops_cpu", "layer_ops_cpu.cpp", flags)
-    if module is not None:
-        module.set_torch_float_lanes(torch_float_lanes())
-    return module
-
-
-def torch_float_lanes() -> int:
-    """The width of torch's own fp32 vectors, which fixes the order its CPU sums add in (RMSNorm copies it)."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+        return cpu_build.build("ferry_layer_ops_cpu_portable", "layer_ops_cpu.cpp", [*flags, "-DFERRY_PORTABLE"])
+    return cpu_build.build("ferry_layer_ops_cpu", "layer_ops_cpu.cpp", flags)
 
 
 class CpuLayerOps:

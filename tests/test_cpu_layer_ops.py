@@ -32,7 +32,11 @@ def assert_matches(fused: torch.Tensor, reference: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("width", [7, 12, HIDDEN, 4100])   # shorter than a vector, 8-16, a model's, cascaded sums
 def test_rms_norm_and_residual_add_are_bit_identical(ops, dtype, rows, width):
-    """An ulp off in the RMS sum flips bf16 roundings, and over 30 layers SmolLM2's greedy answer changed."""
+    """An ulp off in the RMS sum flips bf16 roundings, and over 30 layers SmolLM2's greedy answer changed.
+
+    fp32 from width 12 up shows the summation order. Run with torch 2.13 on an Intel Xeon Sapphire Rapids (AVX-512
+    with BF16 and FP16, AMX; torch reports AVX512), as it is and with ATEN_CPU_CAPABILITY=avx2 and =default; the
+    same 8-lane order passed before on AMD EPYC Zen 3 (AVX2). Not rerun on an AVX-512 AMD EPYC (Zen 5)."""
     fused, reference = ops
     torch.manual_seed(rows)
     x = torch.randn(rows, width, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 30

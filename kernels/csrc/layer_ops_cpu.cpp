@@ -192,17 +192,16 @@ float torch_order_sum_of_squares(const Storage<T>* x, int64_t n) {
   return sum;
 }
 
-// torch's own vector width for fp32 (its Vectorized<float>), which sets its summation order: 16 where ATen
-// dispatches to its AVX-512 kernels, else 8. Not this build's: a portable build must add as torch does too.
-// Set from Python at load (torch.backends.cpu.get_cpu_capability(); ATen does not export its C++ query).
-int g_torch_float_lanes = 8;
+// The width of the vectors torch's sum kernel adds fp32 in, whatever ATen's CPU capability or this build's: 8.
+// ATen registers sum_stub with REGISTER_DISPATCH, which leaves the AVX-512 slot empty ("slower with AVX512",
+// SumKernel.cpp), so where torch reports AVX512 it sums with its AVX2 kernel; AVX2's and the DEFAULT kernel's
+// Vectorized<float> are 256 bits. Taking 16 on AVX-512 CPUs was an ulp off there (issue 32).
+constexpr int kTorchSumLanes = 8;
 
 template <typename T>
 void rms_norm_row(const Storage<T>* x, const Storage<T>* weight, Storage<T>* out, int64_t n, float eps) {
-  const int lanes = g_torch_float_lanes;
-  const float sum = n < lanes      ? torch_order_sum_of_squares<T, 1>(x, n)
-                    : lanes == 16 ? torch_order_sum_of_squares<T, 16>(x, n)
-                                  : torch_order_sum_of_squares<T, 8>(x, n);
+  const float sum = n < kTorchSumLanes ? torch_order_sum_of_squares<T, 1>(x, n)
+                                       : torch_order_sum_of_squares<T, kTorchSumLanes>(x, n);
   const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   int64_t i = 0;
 #if FERRY_AVX512 || FERRY_AVX2
@@ -472,14 +471,8 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-void set_torch_float_lanes(int64_t lanes) {
-  TORCH_CHECK(lanes == 8 || lanes == 16, "set_torch_float_lanes: 8 or 16, got ", lanes);
-  g_torch_float_lanes = static_cast<int>(lanes);
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_isa", &ferry::vector_isa, "the vector path compiled in: avx512, avx2 or portable");
-  m.def("set_torch_float_lanes", &set_torch_float_lanes, "torch's fp32 vector width, for its summation order");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "residual += x, then RMSNorm of the residual");
   m.def("rotary_store_kv", &rotary_store_kv, "rotary q and k from a fused qkv row; k and v stored in the pool");
