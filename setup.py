@@ -25,4 +25,5 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+if __name__ == "__main__":   # setuptools runs it so; scripts/gpu_check.sh imports generate_grpc_stubs alone
+    setup(cmdclass={"build_py": BuildPyWithProtos})

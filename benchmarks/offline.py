@@ -28,6 +28,7 @@ class OfflineResult:
     forward_seconds: float = 0.0
     python_overhead_at_batch_64: float | None = None   # share of step time outside the forward pass
     num_preemptions: int = 0
+    peak_running: int = 0     # the most sequences one step ran: what the KV pool held at once
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -51,11 +52,12 @@ def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], pro
                            SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
     total = sum(r.max_tokens for r in requests)
     bar = tqdm(total=total, desc=f"ferry {mode}", unit="tok", disable=not progress, leave=False)
-    output_tokens = steps = 0
+    output_tokens = steps = peak_running = 0
     forward = big_batch_wall = big_batch_forward = 0.0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         batch = len(engine.scheduler.running)
+        peak_running = max(peak_running, batch)
         step_started = time.perf_counter()
         outputs = engine.step()
         wall = time.perf_counter() - step_started
@@ -71,7 +73,12 @@ def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], pro
     bar.close()
     overhead = 1 - big_batch_forward / big_batch_wall if big_batch_wall else None
     return OfflineResult(mode, seconds, output_tokens, len(requests), steps, forward, overhead,
-                         engine.stats().num_preemptions)
+                         engine.stats().num_preemptions, peak_running)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def warm_up(engine: Engine) -> None:
@@ -79,22 +86,29 @@ def warm_up(engine: Engine) -> None:
 
 
 def run_transformers(model_dir: str, dtype: str, requests: list[BenchRequest], batch_size: int = 16,
-                     progress: bool = True) -> OfflineResult:
-    """Static, left-padded batches of batch_size: each batch runs until its longest request is done."""
+                     progress: bool = True, device: str = "auto") -> OfflineResult:
+    """Static, left-padded batches of batch_size: each batch runs until its longest request is done. device "auto":
+    the GPU where there is one, as the engine's own "auto"."""
     from transformers import AutoModelForCausalLM
 
+    from gpu_worker.worker import resolve_device
+
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    target = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(target).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
     started = time.perf_counter()
     for batch in tqdm(batches, desc="transformers", disable=not progress, leave=False):
         width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                           device=target)
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch],
+                            device=target)
         longest = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                            do_sample=False, pad_token_id=pad)
+    synchronize(target)
     seconds = time.perf_counter() - started
     return OfflineResult("transformers", seconds, sum(r.max_tokens for r in requests), len(requests))

@@ -97,3 +97,70 @@ def measure(model_dir: str, dtype: str = "auto", batch: int = 32, prompt_len: in
                     peak_gflop_s=round(peak_matmul_gflop_s(torch_dtype, matmul_size), 1),
                     step_gflop=round(decode_step_gflop(model, shape, batch, context), 6),
                     step_ms=round(sorted(durations)[len(durations) // 2] * 1e3, 1))
+
+
+@dataclass
+class MemoryRoofline:
+    """A decode step against the memory bound: every weight and every context token's K and V read once, at the
+    device-to-device copy bandwidth measured on the same device (the bound of a GPU decode step)."""
+    device: str
+    dtype: str
+    batch: int
+    context: int
+    copy_gb_s: float
+    weight_gb: float
+    kv_gb: float
+    step_ms: float
+    forward_ms: float
+
+    @property
+    def limit_ms(self) -> float:
+        return (self.weight_gb + self.kv_gb) / self.copy_gb_s * 1e3
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "limit_ms": round(self.limit_ms, 4),
+                "step_over_limit": round(self.step_ms / self.limit_ms, 2),
+                "forward_over_limit": round(self.forward_ms / self.limit_ms, 2)}
+
+
+def copy_bandwidth_gb_s(device: torch.device, repeats: int = 10) -> float:
+    """Bytes read plus bytes written per second by a large device-to-device copy (the best of `repeats`): 1 GiB on
+    a GPU, far past its caches; 64 MiB on a CPU, where only the plumbing is checked."""
+    size = 1 << 30 if device.type == "cuda" else 1 << 26
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = min(timed(lambda: synchronized(device, lambda: target.copy_(source))) for _ in range(repeats))
+    return 2 * size / best / 1e9
+
+
+def synchronized(device: torch.device, fn) -> None:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_memory_bound(model_dir: str, dtype: str = "bfloat16", batch: int = 64, prompt_len: int = 512,
+                         steps: int = 32, device: str = "cuda", kv_cache_memory: int = 0) -> MemoryRoofline:
+    engine = Engine(EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=batch,
+                                 kv_cache_memory=kv_cache_memory))
+    start_decoding(engine, batch, prompt_len, steps, "roofline", lowest_token_id=100)
+    walls, forwards = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+        forwards.append(engine.last_step_seconds)
+    model = engine.worker.runner.model
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(engine.info.model_path))
+    torch_dtype = next(model.parameters()).dtype
+    element = torch.empty((), dtype=torch_dtype).element_size()
+    context = prompt_len + 1 + steps // 2
+    kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * element * context * batch
+    target = torch.device(device)
+    median = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
+    return MemoryRoofline(device=torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu",
+                          dtype=str(torch_dtype).removeprefix("torch."), batch=batch, context=context,
+                          copy_gb_s=round(copy_bandwidth_gb_s(target), 1),
+                          weight_gb=round(linear_parameters(model) * element / 1e9, 4), kv_gb=round(kv_bytes / 1e9, 4),
+                          step_ms=round(median(walls), 3), forward_ms=round(median(forwards), 3))

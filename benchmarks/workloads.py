@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,17 @@ def generate(name: str, num_requests: int = 64, seed: int = 0, vocab: tuple[int,
     if name == "shared_prefix":
         prefix = ids(512)
         return [BenchRequest(prefix + ids(rng.randint(16, 64)), rng.randint(34, 128)) for _ in range(num_requests)]
+    if name == "sharegpt_shaped":
+        return sharegpt_shaped(rng, ids, num_requests)
     raise ValueError(f"unknown workload {name!r}")
+
+
+def sharegpt_shaped(rng: random.Random, ids, num_requests: int) -> list[BenchRequest]:
+    """Log-normal lengths (sigma 1.0) with ShareGPT's means (161 prompt, 338 output tokens: the vLLM paper), clipped
+    to [8, 1024] and [8, 1536], as ../shared/workloads/sharegpt_shaped.json was drawn (with numpy there)."""
+    def length(mean: float, high: int) -> int:
+        return min(high, max(8, round(rng.lognormvariate(math.log(mean) - 0.5, 1.0))))
+    return [BenchRequest(ids(length(161, 1024)), length(338, 1536)) for _ in range(num_requests)]
 
 
 def load(name: str, tokenizer=None, num_requests: int | None = None) -> list[BenchRequest]:

@@ -20,32 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from base.tls import TlsConfig
-
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France. Berlin is the capital of Germany.",
-    "Continuous batching keeps the accelerator busy; paged attention keeps memory tight.",
-    "Ünïcödé têxt, emoji 🚢⛴️ and 中文字符 must survive incremental detokenization.",
-    "def hello(world):\n    return f'hello {world}'\n",
-] * 20
-
-
-def transformers_greedy(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """transformers `generate`'s greedy continuation of each prompt alone, exactly num_tokens long: the reference
-    Ferry's batched outputs must equal token for token."""
-    import torch
-
-    outputs = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                             do_sample=False)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+from benchmarks.exactness import transformers_greedy  # noqa: F401 (the tests import it from here)
+from benchmarks.random_models import build_tiny_tokenizer
 
 
 def import_interpreted_kernels():
@@ -61,24 +37,6 @@ def import_interpreted_kernels():
     for name in stale:
         del sys.modules[name]  # the compiled extension stays: loading it twice aborts
     return importlib.import_module("kernels.triton_paged")
-
-
-def build_tiny_tokenizer(path: Path, vocab_size: int = 512):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = TINY_CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return fast
 
 
 def build_tiny_llama(path: Path, *, tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
