@@ -27,7 +27,7 @@ def apply_adjustments(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids
             apply_logit_bias(logits[i], row.params.logit_bias)
     masked = [i for i, row in enumerate(rows) if row.bitmask is not None]
     if masked:
-        allowed = unpack_bitmasks([rows[i].bitmask for i in masked], logits.shape[1])
+        allowed = unpack_bitmasks([rows[i].bitmask for i in masked], logits.shape[1]).to(logits.device)
         logits[masked] = logits[masked].masked_fill(~allowed, float("-inf"))
     for i, row in enumerate(rows):
         if row.num_output_tokens < row.params.min_tokens:
@@ -44,7 +44,7 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None
     """logits: one float32 row. Ids past the vocabulary are ignored (the scheduler refuses them)."""
     ids = [t for t in logit_bias if t < logits.shape[0]]
     if ids:
-        logits[ids] += torch.tensor([logit_bias[t] for t in ids], dtype=logits.dtype)
+        logits[ids] += torch.tensor([logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
@@ -52,7 +52,7 @@ def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> li
 
 
 def mask_stop_tokens(logits: torch.Tensor, token_ids: list[int]) -> None:
-    ids = torch.tensor([t for t in token_ids if t < logits.shape[0]], dtype=torch.long)
+    ids = torch.tensor([t for t in token_ids if t < logits.shape[0]], dtype=torch.long, device=logits.device)
     kept = logits[ids].clone()
     logits[ids] = float("-inf")
     if not torch.isfinite(logits).any():

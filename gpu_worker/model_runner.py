@@ -55,7 +55,7 @@ class ModelRunner:
     seqs: dict[str, SequenceState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
         self.forward_seconds = 0.0
 
     @torch.inference_mode()
@@ -113,7 +113,7 @@ class ModelRunner:
         started = time.perf_counter()   # the model's own time, what the step's bookkeeping is measured against
         hidden = self.model(input_ids, positions, self.pool.layers, batch)
         self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
-        logits = self.model.compute_logits(hidden[sample_rows]).cpu() if sample_rows.numel() else None
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
         self.forward_seconds = time.perf_counter() - started
         if logits is None:
             return [], []
@@ -133,7 +133,7 @@ class ModelRunner:
             for start in range(chunk.start, stop, PROMPT_LOGITS_ROWS):
                 end = min(start + PROMPT_LOGITS_ROWS, stop)
                 rows = hidden[first_row + start - chunk.start:first_row + end - chunk.start]
-                logits = self.model.compute_logits(rows).cpu()
+                logits = self.model.compute_logits(rows)
                 seq.prompt_logprobs.extend(prompt_token_logprobs(logits, seq.token_ids[start + 1:end + 1],
                                                                  seq.params.prompt_logprobs))
 

@@ -1,8 +1,13 @@
 """Loads Hugging Face safetensors checkpoints into Ferry's layers; each model names the checkpoint tensors its
-parameters come from (model.checkpoint_tensor)."""
+parameters come from (model.checkpoint_tensor).
+
+Streamed: a tensor is read from its file when a parameter asks for it and copied into the parameter, which the
+loader allocated on the target device in the target dtype; so host memory holds a few tensors at a time, and
+device memory the model plus the largest tensor in flight, never the checkpoint in fp32."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -21,17 +26,31 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in checkpoint_files(model_dir):
+class Checkpoint(Mapping):
+    """The checkpoint's tensors by name ("model." dropped), each read from its file when asked for. The file is
+    opened for that one read: a handle kept open would keep every page it had read mapped, in the process's RSS."""
+
+    def __init__(self, model_dir: Path):
+        self.files: dict[str, tuple[Path, str]] = {}
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                self.files.update((name.removeprefix("model."), (path, name)) for name in f.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, stored_name = self.files[name]
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name.removeprefix("model.")] = f.get_tensor(name)
-    return tensors
+            return f.get_tensor(stored_name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
-    checkpoint = read_checkpoint(model_dir)
+    """Copy each parameter from the checkpoint, converted to the parameter's dtype and device on the way."""
+    checkpoint = Checkpoint(model_dir)
     for name, param in model.named_parameters():
         source = model.checkpoint_tensor(checkpoint, name)
         if source.shape != param.shape:
@@ -40,7 +59,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             param.copy_(source)
 
 
-def fused_checkpoint_tensor(checkpoint: dict[str, torch.Tensor], name: str,
+def fused_checkpoint_tensor(checkpoint: Mapping[str, torch.Tensor], name: str,
                             fused: dict[str, tuple[str, ...]]) -> torch.Tensor:
     """The checkpoint's tensor of that name, or the parts a fused parameter is made of (fused: Ferry parameter
     suffix -> the checkpoint's parts, concatenated along dim 0), or the embedding for an untied-in-name lm_head."""

@@ -107,9 +107,9 @@ class Worker:
                    gguf_file: Path | None) -> torch.nn.Module:
         with torch.device("meta"):
             model = family(shape)
-        model = model.to_empty(device=device)
+        model = model.to(dtype).to_empty(device=device)   # allocated once, in the dtype it computes in
         load_weights(model, model_dir)
-        model = model.to(dtype).eval()
+        model.eval()
         if cpu_linear.available(dtype, device):
             if gguf_file is not None and dtype == torch.float32:
                 quantized_linears.use_gguf_blocks(model, gguf_file)   # before packing: it reads the fp32 weights

@@ -4,6 +4,7 @@ and logits (Gemma 2), per-head q/k norms and a rotary base per kind of layer (Ge
 torch ops, as transformers computes it."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +102,7 @@ class GemmaForCausalLM(nn.Module):
             attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
             final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0))
 
-    def checkpoint_tensor(self, checkpoint: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def checkpoint_tensor(self, checkpoint: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         return fused_checkpoint_tensor(checkpoint, name, LLAMA_FUSED)
 
     def load_rope(self, config, max_positions: int, device: torch.device) -> None:

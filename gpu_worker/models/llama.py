@@ -2,6 +2,7 @@
 Qwen3, Phi-3 and the mixtures of experts are this model with a part changed (gpu_worker/models/)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -135,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, shape: ModelShape, layer_index: int) -> nn.Module:
         return MLP(shape.hidden_size, shape.intermediate_size)
 
-    def checkpoint_tensor(self, checkpoint: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def checkpoint_tensor(self, checkpoint: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         return fused_checkpoint_tensor(checkpoint, name, self.fused_weights)
 
     def load_rope(self, config, max_positions: int, device: torch.device) -> None:

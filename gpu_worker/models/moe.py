@@ -3,6 +3,7 @@ tokens are grouped by expert so that every expert runs once, on all its tokens, 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             return SparseMoe(shape)
         return MLP(shape.hidden_size, shape.intermediate_size)
 
-    def checkpoint_tensor(self, checkpoint: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def checkpoint_tensor(self, checkpoint: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         prefix, _, suffix = name.partition("mlp.")
         if suffix == "gate.weight":
             return checkpoint[prefix + self.expert_names.router]
@@ -140,7 +141,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             return self.stacked_experts(checkpoint, prefix, suffix == "experts_gate_up")
         return super().checkpoint_tensor(checkpoint, name)
 
-    def stacked_experts(self, checkpoint: dict[str, torch.Tensor], prefix: str, gate_up: bool) -> torch.Tensor:
+    def stacked_experts(self, checkpoint: Mapping[str, torch.Tensor], prefix: str, gate_up: bool) -> torch.Tensor:
         names = self.expert_names
         parts = (names.gate, names.up) if gate_up else (names.down,)
         return torch.stack([torch.cat([checkpoint[prefix + names.expert(part, e)] for part in parts])
