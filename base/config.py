@@ -26,8 +26,13 @@ class EngineConfig:
     dtype: str = "auto"                   # float32 | bfloat16 | float16 | auto (gpu_worker.worker.resolve_dtype)
     device: str = "auto"                  # cpu | cuda | auto
     block_size: int = 16
-    # bytes for the KV pool; 0 = 1 GiB on CPU, 90% of free memory on CUDA
-    kv_cache_memory: int = field(default=0, metadata={"help": "bytes; 0: default"})
+    # bytes for the KV pool; 0 = 1 GiB on CPU, what --gpu-memory-utilization leaves on CUDA
+    kv_cache_memory: int = field(default=0, metadata={
+        "help": "bytes for the KV cache; 0: 1 GiB on a CPU, what --gpu-memory-utilization leaves on a GPU"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "on a GPU, the fraction of its total memory this worker may use: weights, activations and KV cache"})
+    enforce_eager: bool = field(default=False, metadata={
+        "switch_on": "--enforce-eager", "help": "on a GPU, run every step eagerly (no CUDA graphs)"})
     max_model_len: int = 0                # 0 = min(model's max_position_embeddings, 8192)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -53,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

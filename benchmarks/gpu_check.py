@@ -2,13 +2,14 @@
 
     python -m benchmarks.gpu_check OUT_DIR [--budget-s 330] [--work-dir DIR] [--smoke]
 
-First the checks that need no quiet device run side by side (the kernels against the reference, token-exactness
-against transformers, `ferry up` answering a chat request); then the timed steps one at a time (Ferry vs
-transformers, the decode step against the memory bound, the decode kernel's bandwidth, continuous vs static and
-paged vs contiguous). Each step ends by its own timeout or the budget's, whichever comes first, and
+First the checks that need no quiet device run side by side (the GPU-only tests, token-exactness against
+transformers, `ferry up` answering a chat request); then the timed steps one at a time (Ferry with CUDA graphs
+and eager vs transformers, the decode step against the memory bound, the decode kernel's bandwidth, continuous vs
+static and paged vs contiguous). Each step ends by its own timeout or the budget's, whichever comes first, and
 OUT_DIR/summary.json is rewritten after each, so a run cut short still says what it found; each step's log is
-OUT_DIR/logs/STEP.log. The random models are written under --work-dir (a temporary folder by default). --smoke: the same steps
-at tiny shapes on the CPU (what the tests run, so that the GPU's minutes are never the first time a step runs).
+OUT_DIR/logs/STEP.log. The random models are written under --work-dir (a temporary folder by default).
+--smoke: the same steps at tiny shapes on the CPU (what the tests run, so that the GPU's minutes are never the
+first time a step runs).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from benchmarks import gpu_steps
 
 # (step, its own timeout in seconds); the first group runs side by side, the second in order
-SIDE_BY_SIDE = [("kernel_tests", 240), ("exactness", 200), ("serve", 240)]
+SIDE_BY_SIDE = [("cuda_tests", 240), ("exactness", 200), ("serve", 240)]
 IN_ORDER = [("throughput", 200), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200)]
 RESULT_PREFIX = "GPU_CHECK_RESULT "
 
@@ -66,7 +67,8 @@ def run_all(out: Path, work: Path, budget_s: float, smoke: bool) -> dict:
     summary["steps"]["environment"] = run_step("environment", left(60), work, logs, smoke)
     write(out, summary)
     with ThreadPoolExecutor(len(SIDE_BY_SIDE)) as pool:
-        futures = {name: pool.submit(run_step, name, left(timeout), work, logs, smoke) for name, timeout in SIDE_BY_SIDE}
+        futures = {name: pool.submit(run_step, name, left(timeout), work, logs, smoke)
+                   for name, timeout in SIDE_BY_SIDE}
         for name, future in futures.items():
             summary["steps"][name] = future.result()
             write(out, summary)

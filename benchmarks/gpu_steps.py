@@ -88,10 +88,12 @@ def nvidia_smi() -> str:
         return f"unavailable: {error}"
 
 
-def kernel_tests(plan: Plan, work: Path) -> dict:
+def cuda_tests(plan: Plan, work: Path) -> dict:
+    """The tests that run only on a GPU: the kernels at real shapes, the worker's sampler, graphs and memory."""
     env = os.environ | {"TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-                          "tests/test_cuda_kernels.py"], capture_output=True, text=True, env=env, timeout=400)
+                          "tests/test_cuda_kernels.py", "tests/test_cuda_worker.py"],
+                         capture_output=True, text=True, env=env, timeout=400)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     return {"passed": run.returncode in (0, 5), "summary": summary, "failures": failure_lines(run.stdout)}
 
@@ -118,14 +120,15 @@ def exactness(plan: Plan, work: Path) -> dict:
 
 
 def serve(plan: Plan, work: Path) -> dict:
-    """`ferry up --num-schedulers 1` on the device, answering one chat request through the OpenAI API."""
+    """`ferry up` on the device (one scheduler per GPU), answering one chat request through the OpenAI API."""
     import httpx
 
     from ferry.launcher import free_port
 
     directory = model_dir(plan, work, plan.serve_shape, torch.bfloat16, vocab_size=None)
     http_port = free_port()
-    args = [sys.executable, "-m", "ferry.cli", "up", "--num-schedulers", "1", "--model", str(directory),
+    one_scheduler = ["--num-schedulers", "1"] if plan.device == "cpu" else []   # on a GPU: one per GPU, by default
+    args = [sys.executable, "-m", "ferry.cli", "up", *one_scheduler, "--model", str(directory),
             "--device", plan.device, "--port", str(free_port()), "--http-port", str(http_port),
             "--kv-cache-memory", str(GiB if plan.device == "cuda" else 64 << 20)]
     log = open(work / "serve.log", "w")
@@ -177,18 +180,23 @@ def fixed_workload(count: int, prompt_len: int, output_len: int, vocab: int, see
 
 
 def throughput(plan: Plan, work: Path) -> dict:
-    """Ferry vs transformers on the same device, fixed lengths: output tokens per second."""
+    """Ferry (with CUDA graphs, and eager) vs transformers on the same device, fixed lengths: output tokens per
+    second."""
     from benchmarks.offline import ferry_config, run_ferry, run_transformers
 
     directory = str(model_dir(plan, work, plan.bench_shape, torch.bfloat16))
     requests = fixed_workload(plan.fixed_requests, plan.fixed_prompt, plan.fixed_output, vocab_size(directory))
-    config = ferry_config(directory, "bfloat16", "continuous", max_num_seqs=256, kv_cache_memory=kv_bytes(plan, 16))
-    config.device = plan.device
-    ferry = run_ferry(config, "continuous", requests, progress=False).as_dict()
-    hf = run_transformers(directory, "bfloat16", requests[:plan.hf_requests], progress=False,
-                          device=plan.device).as_dict()
-    return {"model": plan.bench_shape, "ferry": ferry, "transformers": hf,
-            "ferry_over_transformers": round(ferry["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)}
+    runs = {}
+    for name, eager in (("ferry", False), ("ferry_eager", True)):
+        config = ferry_config(directory, "bfloat16", "continuous", max_num_seqs=256, kv_cache_memory=kv_bytes(plan, 16))
+        config.device, config.enforce_eager = plan.device, eager
+        runs[name] = run_ferry(config, "continuous", requests, progress=False).as_dict()
+    runs["transformers"] = run_transformers(directory, "bfloat16", requests[:plan.hf_requests], progress=False,
+                                            device=plan.device).as_dict()
+    rate = lambda name: runs[name]["output_tokens_per_s"]  # noqa: E731
+    return {"model": plan.bench_shape, **runs,
+            "ferry_over_transformers": round(rate("ferry") / rate("transformers"), 2),
+            "graphs_over_eager": round(rate("ferry") / rate("ferry_eager"), 2)}
 
 
 def vocab_size(directory: str) -> int:
@@ -224,11 +232,13 @@ def seeds_claims(plan: Plan, work: Path) -> dict:
 
 
 def roofline(plan: Plan, work: Path) -> dict:
+    """The decode step against the memory bound, with CUDA graphs and eager."""
     from benchmarks.roofline import measure_memory_bound
 
     directory = str(model_dir(plan, work, plan.bench_shape, torch.bfloat16))
-    return measure_memory_bound(directory, "bfloat16", plan.roofline_batch, plan.roofline_prompt,
-                                device=plan.device, kv_cache_memory=kv_bytes(plan, 8)).as_dict()
+    return {mode: measure_memory_bound(directory, "bfloat16", plan.roofline_batch, plan.roofline_prompt,
+                                       device=plan.device, kv_cache_memory=kv_bytes(plan, 8),
+                                       enforce_eager=mode == "eager").as_dict() for mode in ("graphs", "eager")}
 
 
 def kernel_bench(plan: Plan, work: Path) -> dict:
@@ -240,5 +250,5 @@ def kernel_bench(plan: Plan, work: Path) -> dict:
     return json.loads(out.read_text()) if out.is_file() else {"skipped": "no CUDA device"}
 
 
-STEPS = {"environment": environment, "kernel_tests": kernel_tests, "exactness": exactness, "serve": serve,
+STEPS = {"environment": environment, "cuda_tests": cuda_tests, "exactness": exactness, "serve": serve,
          "throughput": throughput, "roofline": roofline, "kernel_bench": kernel_bench, "seeds_claims": seeds_claims}

@@ -26,7 +26,7 @@ class OfflineResult:
     num_requests: int
     steps: int = 0
     forward_seconds: float = 0.0
-    python_overhead_at_batch_64: float | None = None   # share of step time outside the forward pass
+    python_overhead_at_batch_64: float | None = None   # share of step time outside the forward and sampling
     num_preemptions: int = 0
     peak_running: int = 0     # the most sequences one step ran: what the KV pool held at once
 

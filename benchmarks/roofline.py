@@ -141,9 +141,10 @@ def synchronized(device: torch.device, fn) -> None:
 
 
 def measure_memory_bound(model_dir: str, dtype: str = "bfloat16", batch: int = 64, prompt_len: int = 512,
-                         steps: int = 32, device: str = "cuda", kv_cache_memory: int = 0) -> MemoryRoofline:
+                         steps: int = 32, device: str = "cuda", kv_cache_memory: int = 0,
+                         enforce_eager: bool = False) -> MemoryRoofline:
     engine = Engine(EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=batch,
-                                 kv_cache_memory=kv_cache_memory))
+                                 kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager))
     start_decoding(engine, batch, prompt_len, steps, "roofline", lowest_token_id=100)
     walls, forwards = [], []
     for _ in range(steps):

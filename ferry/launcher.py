@@ -22,7 +22,8 @@ STARTUP_TIMEOUT_S = 600.0
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("up", help="start Redis, N schedulers (each with its worker) and a router")
     add_engine_arguments(parser)
-    parser.add_argument("--num-schedulers", type=int, default=2)
+    parser.add_argument("--num-schedulers", type=int, default=None,
+                        help="default: one per visible GPU (each pinned to its GPU), or 2 on the CPU")
     parser.add_argument("--host", default="127.0.0.1", help="router gRPC host")
     parser.add_argument("--port", type=int, default=50051, help="router gRPC port")
     parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI-compatible HTTP port; 0: none")
@@ -154,6 +155,31 @@ def worker_threads_env(num_schedulers: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // num_schedulers))}
 
 
+def visible_gpus(device: str) -> list[str]:
+    """The GPUs the schedulers may have, one each: CUDA_VISIBLE_DEVICES's entries where it is set, else every
+    GPU torch sees; none where the engine runs on the CPU."""
+    if device == "cpu":
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def scheduler_envs(requested: int | None, gpus: list[str]) -> list[dict[str, str]]:
+    """Each scheduler's own environment: on GPUs one scheduler per GPU, its worker pinned to it with
+    CUDA_VISIBLE_DEVICES (requested: fewer, never more); on the CPU `requested` (2 by default) sharing the cores."""
+    if not gpus:
+        count = requested or 2
+        return [{}] * count
+    count = requested or len(gpus)
+    if count > len(gpus):
+        raise RuntimeError(f"--num-schedulers {count} with {len(gpus)} GPU(s): each scheduler needs a GPU of its own "
+                           f"(two on one GPU would split its memory and its steps)")
+    return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus[:count]]
+
+
 def start_redis(stack: Stack, password: str) -> str:
     """A Redis for this stack only: on loopback, with a password (given on its standard input, not its argv)."""
     port = free_port()
@@ -195,14 +221,16 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     env = {**os.environ, **secret_env}
     redis_url = args.redis_url or start_redis(stack, secret_env["FERRY_REDIS_PASSWORD"])
     py = sys.executable
-    scheduler_ports = [free_port() for _ in range(args.num_schedulers)]
+    envs = scheduler_envs(args.num_schedulers, visible_gpus(args.device))
+    scheduler_ports = [free_port() for _ in envs]
     config_flags = engine_flags(replace(engine_config(args), model=model_dir))
-    for i, port in enumerate(scheduler_ports):
+    for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
+        gpu = f" on GPU {own_env['CUDA_VISIBLE_DEVICES']}" if own_env else ""
         stack.start([py, "-m", "scheduler", *config_flags, "--port", str(port), "--redis-url",
                      redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), "--drain-timeout", str(args.drain_timeout),
                      *scheduler_metrics_flags(args, i), *tls_flags(tls)],
-                    f"scheduler {i} on 127.0.0.1:{port}",
-                    env={**worker_threads_env(args.num_schedulers), **secret_env})
+                    f"scheduler {i} on 127.0.0.1:{port}{gpu}",
+                    env={**worker_threads_env(len(envs)), **secret_env, **own_env})
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack, tls=tls)
     router_address = f"{args.host}:{args.port}"

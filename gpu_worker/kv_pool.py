@@ -6,22 +6,12 @@ import torch
 from gpu_worker.model import ModelShape
 from kernels import cpu_decode
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
-CUDA_MEMORY_FRACTION = 0.9
+DEFAULT_CPU_KV_BYTES = 1 << 30   # on a GPU the pool's size comes from gpu_worker/device_memory.py
 
 
 def block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
-
-
-def kv_budget(requested: int, device: torch.device) -> int:
-    if requested:
-        return requested
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_MEMORY_FRACTION)
-    return DEFAULT_CPU_KV_BYTES
 
 
 class KVPool:
@@ -41,6 +31,11 @@ class KVPool:
         self.tensor.zero_()
         self.layers = [(self.tensor[i, 0].transpose(1, 2), self.tensor[i, 1].transpose(1, 2))
                        for i in range(shape.num_layers)]
+
+    @classmethod
+    def of_blocks(cls, shape: ModelShape, block_size: int, num_blocks: int, dtype: torch.dtype,
+                  device: torch.device) -> KVPool:
+        return cls(shape, block_size, num_blocks * block_bytes(shape, block_size, dtype), dtype, device)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])

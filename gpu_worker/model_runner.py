@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from base.sampling_params import SamplingParams
+from gpu_worker.cuda_graphs import DecodeGraphs, DecodeRows
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import AttentionBatch
 from gpu_worker.sampler import SampleRow, prompt_token_logprobs, sample
@@ -53,6 +55,7 @@ class ModelRunner:
     seed: int = 0
     eos_token_ids: tuple[int, ...] = ()     # what min_tokens holds back
     seqs: dict[str, SequenceState] = field(default_factory=dict)
+    graphs: DecodeGraphs | None = None      # decode steps replayed from CUDA graphs (None: every step eager)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -103,23 +106,48 @@ class ModelRunner:
         return chunks
 
     def run(self, chunks: list[ScheduledChunk], bitmasks: dict[str, bytes]) -> tuple[list[int], list]:
+        """The step's forward, then sampling; forward_seconds covers both (on a GPU, sampling's ids coming back
+        is what waits for the forward)."""
         # Decodes first, shortest context first, then prefill chunks: each attention group is a run of rows.
         chunks.sort(key=lambda c: (c.num_tokens > 1, c.end))
+        forward = self.graph_forward(chunks) if self.replays(chunks) else self.eager_forward(chunks)
+        started = time.perf_counter()
+        logits = forward()
+        if logits is None:
+            self.forward_seconds = time.perf_counter() - started
+            return [], []
+        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index,
+                          bitmasks.get(c.seq.seq_id)) for c in chunks if c.samples]
+        sampled = sample(logits, rows, self.generator, self.eos_token_ids)
+        self.forward_seconds = time.perf_counter() - started
+        return sampled
+
+    def replays(self, chunks: list[ScheduledChunk]) -> bool:
+        """A step of decodes only, each sampling, none gathering prompt logprobs, that a captured graph holds."""
+        return (self.graphs is not None and all(c.num_tokens == 1 and c.samples and c.seq.prompt_logprobs is None
+                                                for c in chunks)
+                and self.graphs.fits(len(chunks), chunks[-1].end))
+
+    def graph_forward(self, chunks: list[ScheduledChunk]) -> Callable[[], torch.Tensor]:
+        """The step's inputs in the graphs' buffers; the returned call replays and gives the logits."""
+        rows = DecodeRows([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                          [self.slot_of(c.seq, c.start) for c in chunks], [c.seq.block_ids for c in chunks])
+        return self.graphs.prepare(rows)
+
+    def eager_forward(self, chunks: list[ScheduledChunk]) -> Callable[[], torch.Tensor | None]:
+        """The step's inputs and attention metadata; the returned call runs the model and gives the sampling
+        rows' logits (None: no row samples)."""
         input_ids, positions, slots = self.pack(chunks)
         batch = self.attention_batch(chunks, slots)
         lengths = torch.tensor([c.num_tokens for c in chunks])
         ends = lengths.cumsum(0) - 1
         sample_rows = ends[[i for i, c in enumerate(chunks) if c.samples]].to(self.device)
-        started = time.perf_counter()   # the model's own time, what the step's bookkeeping is measured against
-        hidden = self.model(input_ids, positions, self.pool.layers, batch)
-        self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
-        self.forward_seconds = time.perf_counter() - started
-        if logits is None:
-            return [], []
-        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index,
-                          bitmasks.get(c.seq.seq_id)) for c in chunks if c.samples]
-        return sample(logits, rows, self.generator, self.eos_token_ids)
+
+        def forward() -> torch.Tensor | None:
+            hidden = self.model(input_ids, positions, self.pool.layers, batch)
+            self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
+            return self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
+        return forward
 
     def gather_prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, first_rows: list[int]
                                ) -> None:
@@ -137,16 +165,19 @@ class ModelRunner:
                 seq.prompt_logprobs.extend(prompt_token_logprobs(logits, seq.token_ids[start + 1:end + 1],
                                                                  seq.params.prompt_logprobs))
 
-    def pack(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def slot_of(self, seq: SequenceState, position: int) -> int:
+        """Where the position's K and V go in the pool; -1 where a shared block already holds them."""
+        if position < seq.kv_present_tokens:
+            return -1
         block_size = self.pool.block_size
+        return seq.block_ids[position // block_size] * block_size + position % block_size
+
+    def pack(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         input_ids, positions, slots = [], [], []
         for c in chunks:
             input_ids.extend(c.seq.token_ids[c.start:c.end])
             positions.extend(range(c.start, c.end))
-            table = c.seq.block_ids
-            present = c.seq.kv_present_tokens
-            slots.extend(table[p // block_size] * block_size + p % block_size if p >= present else -1
-                         for p in range(c.start, c.end))
+            slots.extend(self.slot_of(c.seq, p) for p in range(c.start, c.end))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(input_ids), as_tensor(positions), as_tensor(slots)
 

@@ -33,10 +33,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.poison_token = poison_token()   # tests only (gpu_worker/fault.py)
 
     def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
+        import torch
+
         try:
             response = self.compute.submit(self.worker.init, request).result()
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except torch.OutOfMemoryError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory starting the worker "
+                          f"(a smaller model, dtype or --max-num-batched-tokens, or a higher "
+                          f"--gpu-memory-utilization): {e}")
         self.health.set("ferry.Worker", health_pb2.HealthCheckResponse.SERVING)
         return response
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from gpu_worker import cpu_features, cpu_heap, cpu_linear, quantized_linears
-from gpu_worker.kv_pool import KVPool, kv_budget
+from gpu_worker import cpu_features, cpu_heap, cpu_linear, device_memory, quantized_linears
+from gpu_worker.cuda_graphs import DecodeGraphs, cuda_capture
+from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.model_files import gguf_source, resolve_model_dir
 from gpu_worker.model_runner import ModelRunner
@@ -68,6 +69,28 @@ def freeable_window(shape) -> int:
     return max(windows) if windows and all(windows) else 0
 
 
+def kv_cache_bytes(req: worker_pb2.InitRequest, make_runner, shape, dtype: torch.dtype, device: torch.device,
+                   block_size: int, max_model_len: int) -> int:
+    """The KV pool's bytes: as asked; else 1 GiB on a CPU; else what --gpu-memory-utilization leaves on a GPU
+    once the weights and a profiling step at the largest batch have taken theirs (gpu_worker/device_memory)."""
+    if req.kv_cache_memory:
+        return req.kv_cache_memory
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_BYTES
+    plan = device_memory.measure(make_runner, shape, dtype, device, req.gpu_memory_utilization or 0.9,
+                                 req.max_num_batched_tokens or 2048, req.max_num_seqs or 128, max_model_len,
+                                 block_size)
+    log.info("GPU memory: %s", plan.describe())
+    return plan.checked_kv_bytes(block_bytes(shape, block_size, dtype))
+
+
+def capturable(model: torch.nn.Module, backend) -> bool:
+    """CUDA graphs need a backend whose metadata the kernels read at launch (Triton's) and a forward that never
+    waits for the device (no softcapped scores, which take the torch path; no mixture of experts, whose routing
+    counts tokens per expert on the host)."""
+    return getattr(backend, "CAPTURABLE", False) and not model.attention_softcap and getattr(model, "capturable", True)
+
+
 class Worker:
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
@@ -85,14 +108,22 @@ class Worker:
         model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,
                                 gguf_source(req.model))
         block_size = req.block_size or 16
-        pool = KVPool(shape, block_size, kv_budget(req.kv_cache_memory, device), dtype, device)
         backend = select_backend(req.attention_backend or "auto", device.type)
         if device.type == "cpu":
             cpu_decode.extension()   # built (or found in the cache) now, not in the first step
         # both backends share the pool layout, so the fused CPU ops may store K and V for either
         model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
         eos = eos_token_ids(model_dir, hf_config)
-        self.runner = ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos))
+
+        def make_runner(pool: KVPool) -> ModelRunner:
+            return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos))
+        kv_bytes = kv_cache_bytes(req, make_runner, shape, dtype, device, block_size, max_model_len)
+        pool = KVPool(shape, block_size, kv_bytes, dtype, device)
+        self.runner = make_runner(pool)
+        if device.type == "cuda" and not req.enforce_eager and capturable(model, backend):
+            self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
+                                              max_model_len, device)
+            self.runner.graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()))
         info = device_info(device, dtype)
         log.info("worker ready: %s on %s, %d KV blocks of %d tokens", model_dir.name,
                  " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)

@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = {"environment", "kernel_tests", "exactness", "serve", "throughput", "roofline", "kernel_bench",
+STEPS = {"environment", "cuda_tests", "exactness", "serve", "throughput", "roofline", "kernel_bench",
          "seeds_claims"}
 
 

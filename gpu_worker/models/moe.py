@@ -127,6 +127,7 @@ class ExpertNames:
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama layers with a SparseMoe for the MLP of its sparse layers; a family names its expert tensors."""
     expert_names: ExpertNames
+    capturable = False   # the routing counts each expert's tokens on the host: no CUDA graph holds that
 
     def make_mlp(self, shape: MoeShape, layer_index: int) -> nn.Module:
         if shape.sparse_layers[layer_index]:

@@ -1,0 +1,86 @@
+"""Decode steps replayed from captured graphs give the tokens of eager steps. On the CPU the capture is
+eager_capture (replay reruns the forward) and the Triton kernels are interpreted: everything but the CUDA calls
+runs, the padded batches, the persistent buffers and the metadata built once over them included."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from base.sampling_params import SamplingParams  # noqa: E402
+from gpu_worker.cuda_graphs import DecodeGraphs, batch_sizes, eager_capture  # noqa: E402
+from gpu_worker.device_memory import MemoryPlan, profile_blocks, profile_requests  # noqa: E402
+from gpu_worker.kv_pool import KVPool  # noqa: E402
+from tests.conftest import import_interpreted_kernels  # noqa: E402
+from tests.engine_fixtures import BLOCK_SIZE, random_prompts, tiny_engine  # noqa: E402
+
+import_interpreted_kernels()
+GiB = 1 << 30
+
+
+def test_batch_sizes_pad_to_buckets_up_to_the_largest_batch() -> None:
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(5) == [1, 2, 4, 5]
+    assert batch_sizes(128) == [1, 2, 4] + list(range(8, 129, 8))
+    assert batch_sizes(130)[-2:] == [128, 130]
+
+
+def graphed(engine, max_batch: int) -> list[int]:
+    """Give the engine's runner decode graphs (captured eagerly); returns the list each replay appends to."""
+    runner = engine.worker.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.pool.layers, runner.backend, BLOCK_SIZE, max_batch,
+                                 engine.info.max_model_len, runner.device)
+    runner.graphs.capture_all(eager_capture)
+    replays = []
+    prepare = runner.graphs.prepare
+    runner.graphs.prepare = lambda rows: replays.append(len(rows.input_ids)) or prepare(rows)
+    return replays
+
+
+def test_graph_decode_steps_give_the_tokens_of_eager_ones(tiny_llama_dir) -> None:
+    prompts = random_prompts(seed=3, count=5, lengths=range(3, 30))
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={5: 2.0}, max_tokens=12, ignore_eos=True)]
+    outputs = {}
+    for mode in ("eager", "graphs"):
+        engine = tiny_engine(tiny_llama_dir, attention_backend="triton", max_num_batched_tokens=16)
+        replays = graphed(engine, max_batch=8) if mode == "graphs" else []
+        outputs[mode] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert outputs["graphs"] == outputs["eager"]
+    assert replays and 5 in replays            # the full batch of 5, padded to the graph of 8
+
+
+def test_a_batch_larger_than_any_graph_runs_eagerly(tiny_llama_dir) -> None:
+    engine = tiny_engine(tiny_llama_dir, attention_backend="triton")
+    replays = graphed(engine, max_batch=2)
+    prompts = random_prompts(seed=4, count=3, lengths=range(3, 9))
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(r.token_ids) == 4 for r in results)
+    assert all(n <= 2 for n in replays)
+
+
+def test_the_profiling_step_runs_over_a_pool_of_just_its_blocks(tiny_llama_dir) -> None:
+    """The worker's memory profile on a GPU: the largest step the scheduler may send, through a runner."""
+    engine = tiny_engine(tiny_llama_dir)
+    request = profile_requests(num_tokens=70, num_seqs=8, max_model_len=64, block_size=BLOCK_SIZE)
+    assert sum(len(s.token_ids) for s in request.new_seqs) == 70 and len(request.new_seqs) == 8
+    runner = engine.worker.runner
+    pool = KVPool.of_blocks(runner.model.shape, BLOCK_SIZE, profile_blocks(request), runner.pool.tensor.dtype,
+                            runner.device)
+    profiler = type(runner)(runner.model, pool, runner.backend, runner.device)
+    result = profiler.step(request)
+    assert len(result.sampled) == 8
+
+
+def test_a_model_that_leaves_no_room_for_its_kv_cache_is_refused_with_the_numbers() -> None:
+    plan = MemoryPlan(total=80 * GiB, utilization=0.9, weights=60 * GiB, activation_peak=2 * GiB,
+                      outside_torch=1 * GiB)
+    assert plan.checked_kv_bytes(1 << 20) == int(0.9 * 80 * GiB) - 63 * GiB
+    tight = MemoryPlan(total=80 * GiB, utilization=0.5, weights=60 * GiB, activation_peak=2 * GiB,
+                       outside_torch=1 * GiB)
+    with pytest.raises(ValueError, match=r"weights 60.00 GiB, activation peak 2.00 GiB.*left for the KV cache -23"):
+        tight.checked_kv_bytes(1 << 20)
