@@ -128,9 +128,11 @@ def serve(plan: Plan, work: Path) -> dict:
     directory = model_dir(plan, work, plan.serve_shape, torch.bfloat16, vocab_size=None)
     http_port = free_port()
     one_scheduler = ["--num-schedulers", "1"] if plan.device == "cpu" else []   # on a GPU: one per GPU, by default
+    # on a GPU the pool is sized by profiling, within a share that leaves the steps running beside this one room
+    kv_flags = ["--gpu-memory-utilization", "0.3"] if plan.device == "cuda" else ["--kv-cache-memory", str(64 << 20)]
     args = [sys.executable, "-m", "ferry.cli", "up", *one_scheduler, "--model", str(directory),
             "--device", plan.device, "--port", str(free_port()), "--http-port", str(http_port),
-            "--kv-cache-memory", str(GiB if plan.device == "cuda" else 64 << 20)]
+            *kv_flags]
     log = open(work / "serve.log", "w")
     stack = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -147,6 +149,8 @@ def serve(plan: Plan, work: Path) -> dict:
                 "request_s": round(time.perf_counter() - asked, 3),
                 "completion_tokens": answer.get("usage", {}).get("completion_tokens"),
                 "finish_reason": answer.get("choices", [{}])[0].get("finish_reason"),
+                "worker_said": [line.split(" INFO ", 1)[-1] for line in (work / "serve.log").read_text().splitlines()
+                                if "GPU memory:" in line or "worker ready" in line or "captured" in line],
                 "passed": response.status_code == 200 and answer["usage"]["completion_tokens"] > 0}
     finally:
         os.killpg(stack.pid, signal.SIGTERM)
