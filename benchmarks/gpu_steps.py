@@ -89,11 +89,13 @@ def nvidia_smi() -> str:
 
 
 def cuda_tests(plan: Plan, work: Path) -> dict:
-    """The tests that run only on a GPU: the kernels at real shapes, the worker's sampler, graphs and memory."""
+    """The tests that run only on a GPU (the kernels at real shapes, the worker's graphs and memory) and the
+    sampler's, which compare the GPU with the CPU there. pytest's report goes to the step's log."""
     env = os.environ | {"TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-                          "tests/test_cuda_kernels.py", "tests/test_cuda_worker.py"],
+                          "tests/test_cuda_kernels.py", "tests/test_cuda_worker.py", "tests/test_sampler.py"],
                          capture_output=True, text=True, env=env, timeout=400)
+    print(run.stdout, run.stderr, file=sys.stderr)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     return {"passed": run.returncode in (0, 5), "summary": summary, "failures": failure_lines(run.stdout)}
 

@@ -1,7 +1,7 @@
-"""The worker on a GPU: the sampler on the device against the same sampler on the CPU, decode steps from CUDA
-graphs against eager ones, loading's device memory, and a model too large for its memory budget refused with the
-numbers. Skipped without CUDA (scripts/gpu_check.sh runs it); tests/test_decode_graphs.py and tests/test_loading.py
-cover the same code on the CPU."""
+"""The worker on a GPU: decode steps from CUDA graphs against eager ones, loading's device memory, and a model too
+large for its memory budget refused with the numbers. Skipped without CUDA (scripts/gpu_check.sh runs it);
+tests/test_decode_graphs.py and tests/test_loading.py cover the same code on the CPU, tests/test_sampler.py the
+sampler on the GPU too."""
 from __future__ import annotations
 
 import os
@@ -11,44 +11,11 @@ import torch
 
 from base.sampling_params import SamplingParams
 from benchmarks.random_models import save_random_llama
-from gpu_worker.sampler import SampleRow, sample
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA GPU and compiled (not interpreted) Triton kernels")
 
-VOCAB = 1000
 GiB = 1 << 30
-
-
-def rows_of(params: list[SamplingParams], bitmask: bytes | None = None) -> list[SampleRow]:
-    return [SampleRow(p, [1, 2, 3, 5, 5, 9], 3, 0, bitmask if i == 0 else None) for i, p in enumerate(params)]
-
-
-def test_the_sampler_on_the_gpu_picks_what_it_picks_on_the_cpu_wherever_no_random_draw_decides() -> None:
-    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
-    allowed = torch.zeros(VOCAB // 32, dtype=torch.int32)
-    allowed[3] = 0b1010   # the grammar allows tokens 97 and 99 only
-    params = [SamplingParams(temperature=0),
-              SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
-              SamplingParams(temperature=0, logit_bias={7: 50.0}, logprobs=5),
-              SamplingParams(temperature=0, min_tokens=10, stop_token_ids=[int(logits[3].argmax())]),
-              SamplingParams(temperature=0.7, top_k=1)]
-    rows = rows_of(params, allowed.numpy().tobytes())
-    on_cpu = sample(logits.clone(), rows, torch.Generator().manual_seed(0), eos_token_ids=(2,))
-    on_gpu = sample(logits.cuda(), rows, torch.Generator(device="cuda").manual_seed(0), eos_token_ids=(2,))
-    assert on_gpu[0] == on_cpu[0] and on_cpu[0][0] in (97, 99) and on_cpu[0][2] == 7
-    cpu_entry, gpu_entry = on_cpu[1][2], on_gpu[1][2]
-    assert [t.token_id for t in gpu_entry.top] == [t.token_id for t in cpu_entry.top]
-    assert gpu_entry.logprob == pytest.approx(cpu_entry.logprob, abs=1e-4)
-
-
-def test_a_seeded_row_draws_the_same_token_on_the_gpu_whatever_else_is_in_the_batch() -> None:
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1)).cuda()
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
-    alone = sample(logits[:1].clone(), rows_of([seeded]), torch.Generator(device="cuda").manual_seed(0))[0]
-    batched = sample(logits.clone(), rows_of([seeded] + [SamplingParams(temperature=1.0)] * 3),
-                     torch.Generator(device="cuda").manual_seed(5))[0]
-    assert alone[0] == batched[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,15 @@
-"""Sampling behaviour a user relies on: greedy is argmax, seeds repeat, filters and penalties do their job."""
+"""Sampling behaviour a user relies on: greedy is argmax, seeds repeat, filters and penalties do their job; on a
+GPU (where there is one) it picks what it picks on the CPU wherever no random draw decides."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from base.sampling_params import SamplingParams
 from gpu_worker.sampler import SampleRow, sample
 
 VOCAB = 50
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def logits_rows(count: int, seed: int = 0) -> torch.Tensor:
@@ -80,3 +83,39 @@ def test_bfloat16_logits_sample_as_their_float32_values():
     mixed = [row(temperature=0, logprobs=2), row(temperature=0, repetition_penalty=1.3), row(temperature=0.8, seed=5),
              row(temperature=0)]
     assert draw(logits, mixed) == draw(widened, mixed)
+
+
+WIDE_VOCAB = 1000   # not a multiple of 32: the last bitmask word is partly past the vocabulary
+
+
+def rows_of(params: list[SamplingParams], bitmask: bytes | None = None) -> list[SampleRow]:
+    return [SampleRow(p, [1, 2, 3, 5, 5, 9], 3, 0, bitmask if i == 0 else None) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_any_device_the_sampler_picks_what_it_picks_on_the_cpu_wherever_no_random_draw_decides(device) -> None:
+    logits = torch.randn(5, WIDE_VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    allowed = torch.zeros(-(-WIDE_VOCAB // 32), dtype=torch.int32)
+    allowed[3] = 0b1010   # the grammar allows tokens 97 and 99 only
+    params = [SamplingParams(temperature=0),
+              SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(temperature=0, logit_bias={7: 50.0}, logprobs=5),
+              SamplingParams(temperature=0, min_tokens=10, stop_token_ids=[int(logits[3].argmax())]),
+              SamplingParams(temperature=0.7, top_k=1)]
+    rows = rows_of(params, allowed.numpy().tobytes())
+    on_cpu = sample(logits.clone(), rows, torch.Generator().manual_seed(0), eos_token_ids=(2,))
+    on_gpu = sample(logits.to(device), rows, torch.Generator(device=device).manual_seed(0), eos_token_ids=(2,))
+    assert on_gpu[0] == on_cpu[0] and on_cpu[0][0] in (97, 99) and on_cpu[0][2] == 7
+    cpu_entry, gpu_entry = on_cpu[1][2], on_gpu[1][2]
+    assert [t.token_id for t in gpu_entry.top] == [t.token_id for t in cpu_entry.top]
+    assert gpu_entry.logprob == pytest.approx(cpu_entry.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_on_any_device_a_seeded_row_draws_the_same_token_whatever_else_is_in_the_batch(device) -> None:
+    logits = torch.randn(4, WIDE_VOCAB, generator=torch.Generator().manual_seed(1)).to(device)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
+    alone = sample(logits[:1].clone(), rows_of([seeded]), torch.Generator(device=device).manual_seed(0))[0]
+    batched = sample(logits.clone(), rows_of([seeded] + [SamplingParams(temperature=1.0)] * 3),
+                     torch.Generator(device=device).manual_seed(5))[0]
+    assert alone[0] == batched[0]
