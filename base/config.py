@@ -31,6 +31,9 @@ class EngineConfig:
         "help": "bytes for the KV cache; 0: 1 GiB on a CPU, what --gpu-memory-utilization leaves on a GPU"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "on a GPU, the fraction of its total memory this worker may use: weights, activations and KV cache"})
+    async_scheduling: bool = field(default=True, metadata={
+        "switch_off": "--no-async-scheduling",
+        "help": "schedule each step while the previous one runs (the default); off: one step at a time"})
     enforce_eager: bool = field(default=False, metadata={
         "switch_on": "--enforce-eager", "help": "on a GPU, run every step eagerly (no CUDA graphs)"})
     max_model_len: int = 0                # 0 = min(model's max_position_embeddings, 8192)

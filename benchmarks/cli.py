@@ -16,7 +16,8 @@ def add_bench_parser(sub) -> None:
     offline = bench.add_parser("offline", help="offline throughput: Ferry's modes and transformers generate")
     add_workload_args(offline)
     offline.add_argument("--modes", default="continuous,hf",
-                         help="comma list of continuous, static, contiguous, no-prefix-cache, hf")
+                         help="comma list of continuous, static, contiguous, no-prefix-cache, no-async (one step "
+                              "at a time), eager (no CUDA graphs), hf")
     offline.add_argument("--max-num-seqs", type=int, default=128)
     offline.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
     offline.add_argument("--hf-batch-size", type=int, default=16)

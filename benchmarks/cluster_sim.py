@@ -96,12 +96,12 @@ def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts:
     return SimNode(node_id, scheduler, registration(node_id, scheduler))
 
 
-def synthetic_result(scheduler: Scheduler) -> worker_pb2.StepResult:
-    """One token for every scheduled sequence whose chunk reaches its last known token (what the worker samples)."""
+def synthetic_result(scheduler: Scheduler, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+    """One token for every sequence the step samples for (what the worker returns), drawn from its position."""
     result = worker_pb2.StepResult()
-    for seq, num_tokens in scheduler.scheduled.values():
-        if seq.num_computed_tokens + num_tokens == seq.num_tokens:
-            result.sampled.add(seq_id=seq.seq_id, token_id=1 + (seq.num_tokens * 7919 + seq.arrival) % (VOCAB - 1))
+    for seq_id in scheduler.sampling_seq_ids(step.step_id):
+        seq = scheduler.sequence(seq_id)
+        result.sampled.add(seq_id=seq_id, token_id=1 + (len(seq.token_ids) * 7919 + seq.arrival) % (VOCAB - 1))
     return result
 
 
@@ -172,7 +172,7 @@ class ClusterSim:
         self.at(self.now + duration, self.step_done, node)
 
     def step_done(self, node: SimNode) -> None:
-        for output in node.scheduler.update(node.step, synthetic_result(node.scheduler)):
+        for output in node.scheduler.update(node.step, synthetic_result(node.scheduler, node.step)):
             self.on_output(output.request_id, len(output.new_token_ids), output.finish_reason is not None)
         self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())
         self.start_step(node)

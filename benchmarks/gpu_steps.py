@@ -186,23 +186,24 @@ def fixed_workload(count: int, prompt_len: int, output_len: int, vocab: int, see
 
 
 def throughput(plan: Plan, work: Path) -> dict:
-    """Ferry (with CUDA graphs, and eager) vs transformers on the same device, fixed lengths: output tokens per
-    second."""
+    """Ferry (as it runs by default; one step at a time; without CUDA graphs) vs transformers on the same device,
+    fixed lengths: output tokens per second, and each run's worker idle time between steps."""
     from benchmarks.offline import ferry_config, run_ferry, run_transformers
 
     directory = str(model_dir(plan, work, plan.bench_shape, torch.bfloat16))
     requests = fixed_workload(plan.fixed_requests, plan.fixed_prompt, plan.fixed_output, vocab_size(directory))
     runs = {}
-    for name, eager in (("ferry", False), ("ferry_eager", True)):
-        config = ferry_config(directory, "bfloat16", "continuous", max_num_seqs=256, kv_cache_memory=kv_bytes(plan, 16))
-        config.device, config.enforce_eager = plan.device, eager
-        runs[name] = run_ferry(config, "continuous", requests, progress=False).as_dict()
+    for name, mode in (("ferry", "continuous"), ("ferry_no_async", "no-async"), ("ferry_eager", "eager")):
+        config = ferry_config(directory, "bfloat16", mode, max_num_seqs=256, kv_cache_memory=kv_bytes(plan, 16))
+        config.device = plan.device
+        runs[name] = run_ferry(config, mode, requests, progress=False).as_dict()
     runs["transformers"] = run_transformers(directory, "bfloat16", requests[:plan.hf_requests], progress=False,
                                             device=plan.device).as_dict()
     rate = lambda name: runs[name]["output_tokens_per_s"]  # noqa: E731
     return {"model": plan.bench_shape, **runs,
             "ferry_over_transformers": round(rate("ferry") / rate("transformers"), 2),
-            "graphs_over_eager": round(rate("ferry") / rate("ferry_eager"), 2)}
+            "graphs_over_eager": round(rate("ferry") / rate("ferry_eager"), 2),
+            "async_over_one_step_at_a_time": round(rate("ferry") / rate("ferry_no_async"), 2)}
 
 
 def vocab_size(directory: str) -> int:

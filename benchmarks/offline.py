@@ -15,6 +15,8 @@ MODES = {
     "static": {"batching": "static"},
     "contiguous": {"kv_layout": "contiguous", "max_model_len": 2048},
     "no-prefix-cache": {"enable_prefix_caching": False},
+    "no-async": {"async_scheduling": False},
+    "eager": {"enforce_eager": True},
 }
 
 
@@ -29,6 +31,7 @@ class OfflineResult:
     python_overhead_at_batch_64: float | None = None   # share of step time outside the forward and sampling
     num_preemptions: int = 0
     peak_running: int = 0     # the most sequences one step ran: what the KV pool held at once
+    worker_idle_seconds: float = 0.0   # the worker's waits between steps (for the scheduler, the step message)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -53,7 +56,7 @@ def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], pro
     total = sum(r.max_tokens for r in requests)
     bar = tqdm(total=total, desc=f"ferry {mode}", unit="tok", disable=not progress, leave=False)
     output_tokens = steps = peak_running = 0
-    forward = big_batch_wall = big_batch_forward = 0.0
+    forward = idle = big_batch_wall = big_batch_forward = 0.0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
         batch = len(engine.scheduler.running)
@@ -65,6 +68,7 @@ def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], pro
         output_tokens += new
         steps += 1
         forward += engine.last_step_seconds
+        idle += engine.last_idle_seconds
         if batch >= 56 and all(len(o.new_token_ids) == 1 for o in outputs):
             big_batch_wall += wall
             big_batch_forward += engine.last_step_seconds
@@ -73,7 +77,7 @@ def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], pro
     bar.close()
     overhead = 1 - big_batch_forward / big_batch_wall if big_batch_wall else None
     return OfflineResult(mode, seconds, output_tokens, len(requests), steps, forward, overhead,
-                         engine.stats().num_preemptions, peak_running)
+                         engine.stats().num_preemptions, peak_running, idle)
 
 
 def synchronize(device: torch.device) -> None:

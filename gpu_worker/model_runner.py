@@ -98,7 +98,10 @@ class ModelRunner:
             chunks.append(ScheduledChunk(seq, new.num_computed_tokens, new.num_scheduled_tokens))
         for cached in req.cached_seqs:
             seq = self.seqs[cached.seq_id]
-            seq.block_ids.extend(cached.new_block_ids)
+            if cached.replaces_block_table:
+                seq.block_ids = list(cached.new_block_ids)
+            else:
+                seq.block_ids.extend(cached.new_block_ids)
             chunks.append(ScheduledChunk(seq, cached.num_computed_tokens, cached.num_scheduled_tokens))
         for chunk in chunks:
             if chunk.end > len(chunk.seq.token_ids):
@@ -222,10 +225,11 @@ class ModelRunner:
         context_lens = torch.tensor([c.end for c in chunks], dtype=torch.int32)
         query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32)
         to = lambda t: t.to(self.device)  # noqa: E731
+        # query_lens stays on the host: the backends read its longest entry, which on a GPU would wait for it
         if window is not None and self.model.attention_softcap:
-            return torch_paged.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size,
-                                       window, masked=True)
-        return self.backend.prepare(to(tables), to(context_lens), to(query_lens), self.pool.block_size, window or 0)
+            return torch_paged.prepare(to(tables), to(context_lens), query_lens, self.pool.block_size, window,
+                                       masked=True)
+        return self.backend.prepare(to(tables), to(context_lens), query_lens, self.pool.block_size, window or 0)
 
 
 def wants_prompt_logprobs(new: worker_pb2.NewSequence) -> bool:

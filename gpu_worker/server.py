@@ -17,6 +17,7 @@ from gpu_worker.fault import crash_if_poisoned, poison_token
 from protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+STEP_ORDER_WAIT_S = 5.0
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -31,6 +32,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # of math threads, spinning against each other on the same cores.
         self.compute = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self.poison_token = poison_token()   # tests only (gpu_worker/fault.py)
+        self.order = threading.Condition()
+        self.last_submitted_step_id = 0
 
     def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
         import torch
@@ -49,7 +52,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         crash_if_poisoned(request, self.poison_token)
         step = self.traced_step if request.traceparents else self.worker.step
-        return self.compute.submit(step, request).result()
+        return self.in_step_order(request, lambda: self.compute.submit(step, request)).result()
+
+    def in_step_order(self, request: worker_pb2.StepRequest, submit):
+        """Hand steps to the compute thread in the order they were sent: with async scheduling the next step
+        arrives while one runs, on another handler thread that could otherwise overtake it. A step whose call was
+        cancelled before it came holds the next one back STEP_ORDER_WAIT_S at most."""
+        with self.order:
+            if not self.order.wait_for(lambda: request.previous_step_id == self.last_submitted_step_id,
+                                       timeout=STEP_ORDER_WAIT_S):
+                log.warning("step %d: step %d never came", request.step_id, request.previous_step_id)
+            future = submit()
+            self.last_submitted_step_id = request.step_id
+            self.order.notify_all()
+        return future
 
     def traced_step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         """One step span, linked to every request span it served (a step serves many traces at once)."""

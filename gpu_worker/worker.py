@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
-from gpu_worker import cpu_features, cpu_heap, cpu_linear, device_memory, quantized_linears
+from gpu_worker import cpu_features, cpu_heap, cpu_linear, device_memory, quantized_linears, warm_up
 from gpu_worker.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.model import TorchLayerOps
@@ -94,6 +95,7 @@ def capturable(model: torch.nn.Module, backend) -> bool:
 class Worker:
     def __init__(self) -> None:
         self.runner: ModelRunner | None = None
+        self.last_step_ended = 0.0
 
     def init(self, req: worker_pb2.InitRequest) -> worker_pb2.InitResponse:
         device = resolve_device(req.device)
@@ -120,6 +122,8 @@ class Worker:
         kv_bytes = kv_cache_bytes(req, make_runner, shape, dtype, device, block_size, max_model_len)
         pool = KVPool(shape, block_size, kv_bytes, dtype, device)
         self.runner = make_runner(pool)
+        if device.type == "cuda":
+            warm_up.compile_kernels(self.runner, req.max_num_batched_tokens or 2048, max_model_len)
         if device.type == "cuda" and not req.enforce_eager and capturable(model, backend):
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
                                               max_model_len, device)
@@ -151,4 +155,8 @@ class Worker:
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         if self.runner is None:
             raise RuntimeError("Worker.step called before Worker.init")
-        return self.runner.step(req)
+        started = time.perf_counter()
+        result = self.runner.step(req)
+        result.idle_seconds = started - self.last_step_ended if self.last_step_ended else 0.0
+        self.last_step_ended = time.perf_counter()
+        return result

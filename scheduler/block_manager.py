@@ -70,7 +70,7 @@ class BlockManager:
 
     # --- prefix cache --------------------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
-        full = seq.num_tokens // self.block_size
+        full = len(seq.token_ids) // self.block_size   # known tokens only: a pending one has no id yet
         for i in range(len(seq.block_hashes), full):
             parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
             chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -253,6 +253,6 @@ class BlockManager:
         dst = self.pop_free()
         self.blocks[src].ref_count -= 1
         seq.block_ids[index] = dst
-        if index < seq.num_blocks_sent:  # the worker holds the old table: send the sequence afresh
-            seq.num_blocks_sent = 0
+        if index < seq.num_blocks_sent:  # the worker holds the old table: send it the whole new one
+            seq.block_table_replaced = True
         self.pending_copies.append((src, dst))

@@ -4,6 +4,12 @@ Each step running sequences get their next tokens first (a decode: one token; an
 chunk), then waiting sequences are admitted in arrival order while the budget, max_num_seqs and the KV pool
 allow. When the pool runs dry, the newest running sequence is preempted: it yields every block and goes back to
 the front of the queue, to be recomputed later.
+
+A step's bookkeeping is done when it is built: its tokens count as computed, and each sequence it samples for
+holds a pending token, whose position the next step may already compute (the worker knows the token by then).
+So the next step can be scheduled while this one runs (--async-scheduling); update() then fills in the sampled
+tokens, in step order, and ends the sequences they finish: a sequence that finished in step N costs at most one
+step of compute more, and its token from that step is never emitted.
 """
 from __future__ import annotations
 
@@ -23,6 +29,15 @@ from scheduler.sequence import Request, Sequence, SequenceStatus
 from scheduler.stats import stats_response
 from scheduler.stopping import finish_reason
 from scheduler.structured_output import StructuredOutputManager
+
+
+@dataclass
+class ScheduledChunk:
+    """One sequence's share of a step: num_tokens from position start on; samples: it ends at the last token."""
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
 
 
 @dataclass
@@ -54,7 +69,8 @@ class Scheduler:
         self.freed_seq_ids: list[str] = []
         self.arrivals = itertools.count()
         self.counters = StepCounters()
-        self.scheduled: dict[str, tuple[Sequence, int]] = {}
+        self.scheduled: dict[str, tuple[Sequence, int]] = {}   # the step being scheduled
+        self.in_flight: dict[int, list[ScheduledChunk]] = {}     # built steps whose results are not in, by id
         self.budget = 0                           # tokens left to hand out in the step being scheduled
         self.vocab_size = vocab_size
         self.structured = StructuredOutputManager(model_path, vocab_size, eos_token_ids)
@@ -116,6 +132,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:   # preempted this step to make room for an older one
                 continue
+            if seq.num_pending_tokens and not self.may_run_ahead(seq):
+                continue
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
             if not self.make_room(seq, num_tokens):
                 preempted = True
@@ -125,6 +143,14 @@ class Scheduler:
         if not preempted:
             self.admit_waiting()
         return self.build_step()
+
+    def may_run_ahead(self, seq: Sequence) -> bool:
+        """Whether seq, whose last token a step in flight is still sampling, may compute that token's position now:
+        not when that token is its last (its length is reached), nor under a grammar, whose mask for the next token
+        needs the pending one."""
+        if seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens:
+            return False
+        return seq.num_tokens < self.max_model_len and not self.structured.constrains(seq.seq_id)
 
     def queue_compiled(self) -> None:
         """Sequences whose grammar is ready join the queue; those whose grammar failed end with the reason."""
@@ -153,7 +179,7 @@ class Scheduler:
             seq = self.waiting[0]
             request = self.requests[seq.request_id]
             seats = self.seats(seq)
-            if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq):
+            if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq) or seq.num_pending_tokens:
                 break
             hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
@@ -205,9 +231,14 @@ class Scheduler:
         step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps)
         step.block_copies.extend(worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies)
         self.freed_seq_ids, self.block_manager.pending_copies = [], []
+        step.token_bitmasks.extend(self.structured.bitmasks(
+            [s.seq_id for s, n in self.scheduled.values()
+             if self.structured.constrains(s.seq_id) and s.num_computed_tokens + n == s.num_tokens]))
         for seq, num_tokens in self.scheduled.values():
-            if seq.seq_id in self.worker_seqs and seq.num_blocks_sent > 0:
-                step.cached_seqs.add(seq_id=seq.seq_id, new_block_ids=seq.block_ids[seq.num_blocks_sent:],
+            if seq.seq_id in self.worker_seqs:
+                replaced, seq.block_table_replaced = seq.block_table_replaced, False
+                step.cached_seqs.add(seq_id=seq.seq_id, replaces_block_table=replaced,
+                                     new_block_ids=seq.block_ids[0 if replaced else seq.num_blocks_sent:],
                                      num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_tokens)
             else:
                 step.new_seqs.add(seq_id=seq.seq_id, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
@@ -216,33 +247,47 @@ class Scheduler:
                                   sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens)
                 self.worker_seqs.add(seq.seq_id)
             seq.num_blocks_sent = len(seq.block_ids)
-        step.token_bitmasks.extend(self.structured.bitmasks(
-            [s.seq_id for s, n in self.scheduled.values()
-             if self.structured.constrains(s.seq_id) and s.num_computed_tokens + n == s.num_tokens]))
+        self.in_flight[step.step_id] = [self.computed(seq, num_tokens) for seq, num_tokens in self.scheduled.values()]
+        self.scheduled = {}
         return step
+
+    @staticmethod
+    def computed(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        """Count the step's tokens of seq as computed; if they reach its last token, the one sampled is pending."""
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_tokens,
+                               seq.num_computed_tokens + num_tokens == seq.num_tokens)
+        seq.num_computed_tokens += num_tokens
+        seq.num_pending_tokens += chunk.samples
+        return chunk
+
+    def sampling_seq_ids(self, step_id: int) -> list[str]:
+        """The sequences a built step samples a token for (what a worker returns one token each for)."""
+        return [chunk.seq.seq_id for chunk in self.in_flight.get(step_id, []) if chunk.samples]
 
     # --- results -------------------------------------------------------------------------------------
     def update(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> list[RequestOutput]:
-        for seq, num_tokens in self.scheduled.values():
-            if seq.status is not SequenceStatus.RUNNING:   # aborted while the step ran
+        """A step's result, in the order the steps were built: its sampled tokens join their sequences."""
+        for chunk in self.in_flight.pop(step.step_id, []):
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:   # aborted or preempted while the step ran
                 continue
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.counters.prompt_tokens += min(num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-                if seq.num_computed_tokens + num_tokens < seq.num_tokens:
-                    self.counters.chunked_prefills += 1
-            seq.num_computed_tokens += num_tokens
+            if chunk.start < seq.num_prompt_tokens:
+                self.counters.prompt_tokens += min(chunk.num_tokens, seq.num_prompt_tokens - chunk.start)
+                self.counters.chunked_prefills += not chunk.samples
             self.block_manager.register_full_blocks(seq)
         outputs = [self.append_token(sampled) for sampled in result.sampled]
-        self.scheduled = {}
         outputs, self.failed = self.failed + outputs, []
         return [out for out in outputs if out is not None]
 
     def append_token(self, sampled: worker_pb2.SampledToken) -> RequestOutput | None:
+        """The pending token of a running sequence, or of one preempted after its step was built (its recompute
+        will include it); a finished one's is dropped."""
         seq = self.sequence(sampled.seq_id)
-        if seq is None or seq.status is not SequenceStatus.RUNNING:   # aborted meanwhile
+        if seq is None or seq.status is SequenceStatus.FINISHED or not seq.num_pending_tokens:
             return None
         request = self.requests[seq.request_id]
         seq.token_ids.append(sampled.token_id)
+        seq.num_pending_tokens -= 1
         self.counters.generation_tokens += 1
         refused = self.structured.constrains(seq.seq_id) and not self.structured.accept(seq.seq_id, sampled.token_id)
         output = RequestOutput(seq.request_id, seq.index, [sampled.token_id],
@@ -251,7 +296,7 @@ class Scheduler:
             output.new_logprobs.append(sampled.logprob)
         if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 1:
             output.prompt_logprobs = list(sampled.prompt_logprobs)
-        if not request.forked:
+        if not request.forked and seq.status is SequenceStatus.RUNNING:   # a preempted one forks once back
             self.fork(request, seq)
         grammar_done = self.structured.is_terminated(seq.seq_id)
         output.finish_reason, output.stop_token_id = finish_reason(seq, sampled.token_id, self.eos_token_ids,
@@ -278,7 +323,7 @@ class Scheduler:
         request.forked = True
 
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.release(seq)
         seq.status = SequenceStatus.FINISHED
         request = self.requests[seq.request_id]

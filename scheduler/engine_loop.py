@@ -2,12 +2,14 @@
 
 Each iteration: schedule → worker.Step (its own process, scheduler/worker_process.py) → update → every
 RequestOutput goes to its request's stream at once. The next step is sent before the streams are served, so
-the worker never waits for them. A failed worker fails the requests in flight and is restarted.
+the worker never waits for them; with async scheduling (the default) it is sent even before the running step's
+result is in (scheduler/core.py says how). A failed worker fails the requests in flight and is restarted.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -65,6 +67,7 @@ class EngineLoop:
         self.wakeup = asyncio.Event()
         self.on_kv_events = lambda stored, removed: None
         self.failure: str | None = None
+        self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
         metrics = SchedulerMetrics(self.load, info.model_name, dict(info.device_info))
         self.telemetry = SchedulerTelemetry(metrics, tracing)
 
@@ -112,28 +115,35 @@ class EngineLoop:
                 return
 
     async def run_steps(self) -> None:
-        in_flight: tuple[worker_pb2.StepRequest, asyncio.Future] | None = None
+        """Keep `depth` steps with the worker: with async scheduling two (the next one is scheduled and sent while
+        one runs, so the worker starts it as soon as it is done), else one."""
+        depth = 2 if self.config.async_scheduling else 1
+        in_flight: deque[tuple[worker_pb2.StepRequest, asyncio.Future]] = deque()
         try:
             while True:
-                if in_flight is None:
-                    step = self.scheduler.schedule()
-                    if step is None:
-                        await self.wait_for_work()
-                        continue
-                    in_flight = self.send(step)
-                step, pending = in_flight
+                self.fill(in_flight, depth)
+                if not in_flight:
+                    await self.wait_for_work()
+                    continue
+                step, pending = in_flight.popleft()
                 outputs = self.scheduler.update(step, await pending)
                 # the next step goes to the worker before the streams are served: the worker never waits for them
-                following = self.scheduler.schedule()
-                in_flight = self.send(following) if following is not None else None
+                self.fill(in_flight, depth)
                 self.telemetry.on_outputs(outputs)
                 self.deliver(outputs)
                 self.on_kv_events(*self.scheduler.drain_kv_events())
+                await asyncio.sleep(0)   # the streams send this step's tokens before the next result (often done
+                #                          already, with async scheduling) is taken without yielding
         finally:
-            if in_flight is not None:
-                in_flight[1].cancel()
+            for _, pending in in_flight:
+                pending.cancel()
+
+    def fill(self, in_flight: deque, depth: int) -> None:
+        while len(in_flight) < depth and (step := self.scheduler.schedule()) is not None:
+            in_flight.append(self.send(step))
 
     def send(self, step: worker_pb2.StepRequest) -> tuple[worker_pb2.StepRequest, asyncio.Future]:
+        step.previous_step_id, self.last_sent_step_id = self.last_sent_step_id, step.step_id
         self.telemetry.on_step(step)
         return step, asyncio.ensure_future(self.worker.step(step))
 
@@ -141,6 +151,7 @@ class EngineLoop:
         log.warning("restarting the worker")
         await self.worker.stop()
         self.info = await self.worker.start(self.config)
+        self.last_sent_step_id = 0
         self.forget_cached_blocks()
         old = self.scheduler
         self.scheduler = self.new_scheduler()     # the new worker holds no sequences and an empty pool

@@ -29,13 +29,16 @@ class Sequence:
     num_registered_blocks: int = 0                 # leading blocks already offered to the prefix cache
     announced_hashes: list[int] = field(default_factory=list)   # published before computed (BlockManager.announce)
     num_blocks_sent: int = 0                       # leading block ids the worker already knows
+    block_table_replaced: bool = False             # a copy-on-write changed a block id the worker already knows
     num_freed_blocks: int = 0                      # leading blocks given back: wholly before the sliding window
     num_preemptions: int = 0
     kv_present_tokens: int = 0                     # a forked sample: its prompt's KV is shared, never rewritten
+    num_pending_tokens: int = 0                    # sampled by a step in flight, not yet known (0 or 1)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Every token whose position exists: the known ones and one a step in flight is sampling."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -14,6 +14,6 @@ def finish_reason(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], m
         return "stop", None
     if grammar_terminated:   # the grammar is complete and took a stop token
         return "stop", None
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= max_model_len:
         return "length", None
     return None, None

@@ -43,9 +43,8 @@ def check_invariants(scheduler: Scheduler) -> None:
 def fake_step(scheduler: Scheduler, step: worker_pb2.StepRequest, token: int) -> worker_pb2.StepResult:
     """What a worker returns: one token for every sequence whose known tokens are now all computed."""
     result = worker_pb2.StepResult()
-    for seq, num_tokens in scheduler.scheduled.values():
-        if seq.num_computed_tokens + num_tokens == seq.num_tokens:
-            result.sampled.add(seq_id=seq.seq_id, token_id=token)
+    for seq_id in scheduler.sampling_seq_ids(step.step_id):
+        result.sampled.add(seq_id=seq_id, token_id=token)
     return result
 
 

@@ -32,7 +32,8 @@ class FakeWorker:
             self.seqs[new.seq_id] = (list(new.token_ids), list(new.block_ids))
             scheduled.append((new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens))
         for cached in req.cached_seqs:
-            self.seqs[cached.seq_id][1].extend(cached.new_block_ids)
+            blocks = self.seqs[cached.seq_id][1]
+            blocks[:] = [*(() if cached.replaces_block_table else blocks), *cached.new_block_ids]
             scheduled.append((cached.seq_id, cached.num_computed_tokens, cached.num_scheduled_tokens))
         result = worker_pb2.StepResult(step_id=req.step_id)
         for seq_id, start, count in scheduled:
@@ -231,8 +232,9 @@ def test_abort_between_schedule_and_update_drops_the_result_and_frees_at_once():
     assert scheduler.abort_request("a") and not scheduler.abort_request("a")
     outputs = scheduler.update(step, worker.step(step))
     assert [o.request_id for o in outputs] == ["b"]
-    assert "a/0" in scheduler.schedule().freed_seq_ids
-    run_to_end(scheduler, worker)
+    step = scheduler.schedule()
+    assert "a/0" in step.freed_seq_ids
+    run_to_end(scheduler, worker, scheduler.update(step, worker.step(step)))
     assert scheduler.block_manager.num_free_blocks == 64 and not scheduler.has_unfinished_requests()
 
 

@@ -1,0 +1,134 @@
+"""Async scheduling: the next step is built while the previous one runs. Its outputs are those of one step at a
+time, token for token (preemption, parallel samples, stop tokens, length limits, aborts, structured output);
+a sequence that finished costs at most one step more and never emits a token past its end."""
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from base.sampling_params import SamplingParams
+from base.structured_output import StructuredOutput
+from scheduler.core import RequestOutput, Scheduler
+from tests.engine_fixtures import random_prompts, tiny_engine
+from tests.test_scheduler import EOS, FakeWorker, make_scheduler, params
+
+
+def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int, abort: dict[int, str] | None = None
+                  ) -> tuple[dict[str, list[int]], dict[str, str], int]:
+    """Drive the scheduler with up to `depth` steps in flight (the fake worker runs each as it is sent, in order,
+    as the real one does); abort: request ids to abort once that many steps were built. Returns each sample's
+    tokens, finish reasons, and how many steps were built while another was in flight."""
+    in_flight, outputs, ahead, built = deque(), [], 0, 0
+    while scheduler.has_unfinished_requests() or in_flight:
+        while len(in_flight) < depth and (step := scheduler.schedule()) is not None:
+            ahead += bool(in_flight)
+            in_flight.append((step, worker.step(step)))
+            built += 1
+            if abort and built in abort:
+                scheduler.abort_request(abort[built])
+        if in_flight:
+            outputs += scheduler.update(*in_flight.popleft())
+    return collect(outputs) + (ahead,)
+
+
+def collect(outputs: list[RequestOutput]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    tokens, reasons = {}, {}
+    for out in outputs:
+        key = f"{out.request_id}/{out.index}"
+        tokens.setdefault(key, []).extend(out.new_token_ids)
+        if out.finish_reason:
+            assert key not in reasons, f"{key} finished twice"
+            reasons[key] = out.finish_reason
+    return tokens, reasons
+
+
+def assert_drained(scheduler: Scheduler) -> None:
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert not scheduler.in_flight and not scheduler.running and not scheduler.waiting
+
+
+def add_mix(scheduler: Scheduler, seed: int) -> None:
+    """Eight requests of every kind; one the scheduler refuses (too long for a small pool) is left out."""
+    for i, prompt in enumerate(random_prompts(seed, 8, range(2, 30))):
+        kind = i % 4
+        p = (params(3 + i, n=2, temperature=1.0, seed=i) if kind == 0 else
+             params(12, ignore_eos=False) if kind == 1 else
+             params(20, stop_token_ids=(7, 11)) if kind == 2 else params(6 + i))
+        try:
+            scheduler.add_request(f"r{i}", [t % 90 + 3 for t in prompt], p)
+        except ValueError:
+            pass
+
+
+@pytest.mark.parametrize("num_blocks", [64, 14])   # 14 blocks of 4: preemptions
+def test_two_steps_in_flight_give_the_tokens_of_one_at_a_time(num_blocks: int) -> None:
+    results = {}
+    for depth in (1, 2):
+        scheduler = make_scheduler(num_blocks=num_blocks, max_model_len=48, max_num_batched_tokens=16)
+        add_mix(scheduler, seed=num_blocks)
+        *results[depth], ahead = run_pipelined(scheduler, FakeWorker(), depth)
+        assert_drained(scheduler)
+        assert (ahead > 0) == (depth == 2)
+    assert results[2] == results[1]
+    tokens, reasons = results[1]
+    assert {"stop", "length"} <= set(reasons.values())
+    assert all(len(tokens[key]) <= 48 for key in tokens)
+
+
+def test_a_sequence_that_finishes_costs_at_most_one_step_and_emits_nothing_past_its_end() -> None:
+    scheduler, worker = make_scheduler(), FakeWorker()
+    scheduler.add_request("short", [5, 6, 7], params(3))
+    scheduler.add_request("eos", [8, 9], params(30, ignore_eos=False))
+    tokens, reasons, _ = run_pipelined(scheduler, worker, depth=2)
+    assert len(tokens["short/0"]) == 3 and reasons["short/0"] == "length"
+    computed_for_short = sum(1 for step in worker.steps for s in [*step.new_seqs, *step.cached_seqs]
+                             if s.seq_id == "short/0")
+    assert computed_for_short == 3      # prompt, then 2 decodes: its length was known, nothing ran past it
+    if reasons["eos/0"] == "stop":      # an EOS is known only when it arrives: one step more at most
+        assert tokens["eos/0"][-1] == EOS and EOS not in tokens["eos/0"][:-1]
+
+
+def test_aborts_while_steps_are_in_flight_free_everything() -> None:
+    scheduler = make_scheduler(num_blocks=20, max_num_batched_tokens=8)
+    add_mix(scheduler, seed=5)
+    tokens, reasons, _ = run_pipelined(scheduler, FakeWorker(), 2, abort={3: "r1", 4: "r2", 9: "r5"})
+    assert_drained(scheduler)
+    assert not {"r1/0", "r2/0", "r5/0"} & set(reasons)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(10, 40), budget=st.integers(1, 24))
+def test_in_any_mix_two_steps_in_flight_give_the_tokens_of_one_at_a_time(seed: int, num_blocks: int,
+                                                                         budget: int) -> None:
+    results = []
+    for depth in (1, 2):
+        scheduler = make_scheduler(num_blocks=num_blocks, max_model_len=40, max_num_batched_tokens=budget)
+        add_mix(scheduler, seed)
+        results.append(run_pipelined(scheduler, FakeWorker(), depth)[:2])
+        assert_drained(scheduler)
+    assert results[0] == results[1]
+
+
+def test_the_engine_gives_the_same_tokens_with_async_scheduling_on_and_off(tiny_llama_dir) -> None:
+    prompts = random_prompts(seed=9, count=10, lengths=range(3, 40))
+    params_list = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(6)] + [
+        SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(17, 41, 99)),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                       structured_output=StructuredOutput("regex", "[ab]{3,12}"))]
+    outputs = {}
+    for on in (False, True):
+        engine = tiny_engine(tiny_llama_dir, async_scheduling=on, kv_cache_memory=24 * 2 * 2 * 4 * 2 * 16 * 4,
+                             max_num_batched_tokens=32)   # 24 blocks: preemptions
+        depths, submit = [], engine.submit
+        engine.submit = lambda step: depths.append(len(engine.in_flight)) or submit(step)
+        results = engine.generate(prompts, params_list)
+        assert max(depths) == (1 if on else 0)   # steps queued behind one in flight only when on
+        outputs[on] = [[s.token_ids for s in r.samples] for r in results]
+        assert engine.stats().num_free_blocks == engine.info.num_blocks and not engine.in_flight
+        assert engine.stats().num_preemptions > 0
+    assert outputs[True] == outputs[False]
