@@ -10,6 +10,7 @@ import torch
 
 from base.sampling_params import SamplingParams
 from gpu_worker.kv_pool import KVPool
+from gpu_worker.warm_up import prefill_request
 from protos import worker_pb2
 
 GiB = 1 << 30
@@ -48,15 +49,8 @@ def profile_requests(num_tokens: int, num_seqs: int, max_model_len: int, block_s
     with top-p (the sampler's widest path), in blocks 0, 1, 2, ... of a pool made for it."""
     num_seqs = max(1, min(num_seqs, num_tokens))
     lengths = [min(max_model_len, num_tokens // num_seqs + (i < num_tokens % num_seqs)) for i in range(num_seqs)]
-    sampling = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1).to_proto()
-    request, next_block = worker_pb2.StepRequest(step_id=0), 0
-    for i, length in enumerate(lengths):
-        blocks = -(-length // block_size)
-        request.new_seqs.add(seq_id=f"profile-{i}", token_ids=[0] * length, num_prompt_tokens=length,
-                             block_ids=range(next_block, next_block + blocks), num_scheduled_tokens=length,
-                             sampling=sampling)
-        next_block += blocks
-    return request
+    top_p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1).to_proto()
+    return prefill_request(lengths, block_size, top_p, prefix="profile")
 
 
 def profile_blocks(request: worker_pb2.StepRequest) -> int:

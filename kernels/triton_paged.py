@@ -77,11 +77,13 @@ class PagedMetadata:
 
 def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
             block_size: int, window: int = 0) -> PagedMetadata:
-    """The model runner's per-step hook (same as kernels.torch_paged.prepare)."""
+    """The model runner's per-step hook (same as kernels.torch_paged.prepare). query_lens may be on the host (the
+    runner's): its longest entry is then read without waiting for the device."""
     cu_seqlens_q = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=query_lens.device)
     cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
-    return PagedMetadata(block_tables.to(torch.int32), context_lens.to(torch.int32), cu_seqlens_q,
-                         int(query_lens.max()), block_tables.shape[1] * block_size, window)
+    return PagedMetadata(block_tables.to(torch.int32), context_lens.to(torch.int32),
+                         cu_seqlens_q.to(block_tables.device), int(query_lens.max()),
+                         block_tables.shape[1] * block_size, window)
 
 
 def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,

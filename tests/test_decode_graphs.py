@@ -14,6 +14,7 @@ from base.sampling_params import SamplingParams  # noqa: E402
 from gpu_worker.cuda_graphs import DecodeGraphs, batch_sizes, eager_capture  # noqa: E402
 from gpu_worker.device_memory import MemoryPlan, profile_blocks, profile_requests  # noqa: E402
 from gpu_worker.kv_pool import KVPool  # noqa: E402
+from gpu_worker.warm_up import compile_kernels  # noqa: E402
 from tests.conftest import import_interpreted_kernels  # noqa: E402
 from tests.engine_fixtures import BLOCK_SIZE, random_prompts, tiny_engine  # noqa: E402
 
@@ -74,6 +75,19 @@ def test_the_profiling_step_runs_over_a_pool_of_just_its_blocks(tiny_llama_dir) 
     profiler = type(runner)(runner.model, pool, runner.backend, runner.device)
     result = profiler.step(request)
     assert len(result.sampled) == 8
+
+
+def test_the_warm_up_prefills_every_tile_size_and_decodes_after_each_leaving_no_sequence(tiny_llama_dir) -> None:
+    """What the worker runs on a GPU before it is ready, so that every Triton variant compiles then."""
+    engine = tiny_engine(tiny_llama_dir, attention_backend="triton")
+    runner, steps = engine.worker.runner, []
+    step = runner.step
+    runner.step = lambda request: steps.append(request) or step(request)
+    compile_kernels(runner, max_num_batched_tokens=40, max_model_len=engine.info.max_model_len)
+    prefills = [len(s.new_seqs[0].token_ids) for s in steps if s.new_seqs]
+    assert prefills == [1, 2, 4, 8, 16, 32, 40]
+    assert sum(1 for s in steps if s.cached_seqs) == len(prefills) and not runner.seqs
+    assert engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].finish_reason
 
 
 def test_a_model_that_leaves_no_room_for_its_kv_cache_is_refused_with_the_numbers() -> None:
