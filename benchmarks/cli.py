@@ -42,7 +42,7 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--plot-dir", type=Path)
     serve.set_defaults(handler=run_serve)
 
-    roofline = bench.add_parser("roofline", help="a decode step against the machine's FLOP limit")
+    roofline = bench.add_parser("roofline", help="a decode step against the memory bound (GPU) or the FLOP limit (CPU)")
     add_model_args(roofline)
     add_batch_args(roofline, prompt_len=128)
     roofline.add_argument("--steps", type=int, default=32, help="decode steps timed (the median is reported)")
@@ -131,9 +131,17 @@ def run_structured(args) -> int:
 
 
 def run_roofline(args) -> int:
-    from benchmarks.roofline import measure
+    """On a GPU the decode step against the memory bound (weights and KV read at the measured bandwidth), on a CPU
+    against the FLOP limit."""
+    import torch
 
-    result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.steps, args.matmul_size)
+    from benchmarks.roofline import measure, measure_memory_bound
+
+    if torch.cuda.is_available():
+        result = measure_memory_bound(model_dir(args), concrete_dtype(args.dtype), args.batch, args.prompt_len,
+                                      args.steps)
+    else:
+        result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.steps, args.matmul_size)
     report(args, {"machine": machine(), **result.as_dict()})
     return 0
 

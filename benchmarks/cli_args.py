@@ -46,7 +46,7 @@ def load_requests(args, tokenizer_dir: str | None = None) -> list[workloads.Benc
 
 
 def model_dir(args) -> str:
-    from gpu_worker.model_files import resolve_model_dir
+    from gpu_worker.loading.model_files import resolve_model_dir
     return str(resolve_model_dir(args.model))
 
 
@@ -66,7 +66,7 @@ def machine() -> str:
     """The device the figures come from (benchmarks are compared on one machine only)."""
     import torch
 
-    from gpu_worker import cpu_features
+    from gpu_worker.cpu import cpu_features
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return cpu_features.detect().describe()

@@ -2,7 +2,7 @@
 Q8_0 blocks against the same model in fp32 weights (FERRY_CPU_GGUF_BLOCKS=0), at several batch sizes.
 `python -m benchmarks.gguf_blocks [--batches 1,4,16,32] [--max-quantized-rows N]` (the default model): two engines,
 their steps timed alternately at each batch; --max-quantized-rows moves the batch above which the blocks' engine
-uses its fp32 linears (gpu_worker.quantized_linears.MAX_QUANTIZED_ROWS), to measure where the blocks still win.
+uses its fp32 linears (gpu_worker.cpu.quantized_linears.MAX_QUANTIZED_ROWS), to measure where the blocks still win.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import time
 from base.config import EngineConfig
 from benchmarks.roofline import start_decoding
 from ferry.engine import Engine
-from gpu_worker import quantized_linears
-from gpu_worker.quantized_linears import QuantizedLinear
+from gpu_worker.cpu import quantized_linears
+from gpu_worker.cpu.quantized_linears import QuantizedLinear
 
 BATCHES = (1, 4, 16, 32)
 STEPS = 16

@@ -78,7 +78,7 @@ def llguidance_rows(tokenizer, vocab_size: int) -> None:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from gpu_worker.model_files import default_model_dir
+    from gpu_worker.loading.model_files import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     print(f"| engine | compile ms a schema | batch-{BATCH} mask ms: mean | median | p90 |\n|---|---:|---:|---:|---:|")

@@ -12,8 +12,8 @@ import time
 import torch
 from transformers import AutoConfig
 
-from gpu_worker.model_files import gguf_source, resolve_model_dir
-from gpu_worker.quantized_linears import QuantizedLinear
+from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
+from gpu_worker.cpu.quantized_linears import QuantizedLinear
 from gpu_worker.worker import Worker, model_class
 
 

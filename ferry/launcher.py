@@ -213,7 +213,7 @@ def tls_flags(tls: TlsConfig) -> list[str]:
 
 
 def start_stack(args: argparse.Namespace, stack: Stack) -> str:
-    from gpu_worker.model_files import resolve_model_dir
+    from gpu_worker.loading.model_files import resolve_model_dir
 
     tls = stack_tls(args)
     model_dir = str(resolve_model_dir(args.model))   # once, before N schedulers race to convert it

@@ -6,7 +6,7 @@ import torch
 from gpu_worker.model import ModelShape
 from kernels import cpu_decode
 
-DEFAULT_CPU_KV_BYTES = 1 << 30   # on a GPU the pool's size comes from gpu_worker/device_memory.py
+DEFAULT_CPU_KV_BYTES = 1 << 30   # on a GPU the pool's size comes from gpu_worker/cuda/device_memory.py
 
 
 def block_bytes(shape: ModelShape, block_size: int, dtype: torch.dtype) -> int:

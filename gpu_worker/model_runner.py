@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from base.sampling_params import SamplingParams
-from gpu_worker.cuda_graphs import DecodeGraphs, DecodeRows
+from gpu_worker.cuda.cuda_graphs import DecodeGraphs, DecodeRows
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import AttentionBatch
-from gpu_worker.sampler import SampleRow, prompt_token_logprobs, sample
+from gpu_worker.sampling.sampler import SampleRow, prompt_token_logprobs, sample
 from kernels import torch_paged
 from protos import common_pb2, worker_pb2
 

@@ -9,14 +9,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from gpu_worker import cpu_features, cpu_heap, cpu_linear, device_memory, quantized_linears, warm_up
-from gpu_worker.cuda_graphs import DecodeGraphs, cuda_capture
+from gpu_worker.cpu import cpu_features, cpu_heap, cpu_linear, quantized_linears
+from gpu_worker.cuda import device_memory, warm_up
+from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.model import TorchLayerOps
-from gpu_worker.model_files import gguf_source, resolve_model_dir
+from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
-from gpu_worker.weights import load_weights
+from gpu_worker.loading.weights import load_weights
 from kernels import cpu_decode, cpu_layers, select_backend
 from protos import worker_pb2
 
@@ -31,7 +32,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA and on CPUs that multiply bf16 natively, fp32 on other CPUs (gpu_worker/cpu_features)."""
+    """auto: bf16 on CUDA and on CPUs that multiply bf16 natively, fp32 on other CPUs (gpu_worker/cpu/cpu_features)."""
     if name in ("", "auto"):
         return cpu_features.detect().auto_dtype if device.type == "cpu" else torch.bfloat16
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +74,7 @@ def freeable_window(shape) -> int:
 def kv_cache_bytes(req: worker_pb2.InitRequest, make_runner, shape, dtype: torch.dtype, device: torch.device,
                    block_size: int, max_model_len: int) -> int:
     """The KV pool's bytes: as asked; else 1 GiB on a CPU; else what --gpu-memory-utilization leaves on a GPU
-    once the weights and a profiling step at the largest batch have taken theirs (gpu_worker/device_memory)."""
+    once the weights and a profiling step at the largest batch have taken theirs (gpu_worker/cuda/device_memory)."""
     if req.kv_cache_memory:
         return req.kv_cache_memory
     if device.type != "cuda":

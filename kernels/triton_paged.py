@@ -20,7 +20,7 @@ from kernels.triton_prefill import paged_prefill_attention
 from kernels.triton_tiles import HAS_TRITON, tl, triton
 
 # Its metadata is views of the step's tensors, read by the kernels at launch, and no launch waits for the device:
-# a CUDA graph captured over persistent buffers replays it (gpu_worker/cuda_graphs.py).
+# a CUDA graph captured over persistent buffers replays it (gpu_worker/cuda/cuda_graphs.py).
 CAPTURABLE = True
 
 __all__ = ["CAPTURABLE", "HAS_TRITON", "PagedMetadata", "attend", "paged_attention_decode", "paged_prefill_attention", "prepare",

@@ -57,7 +57,7 @@ if [[ $want_test == 1 ]] && ! command -v docker-compose >/dev/null; then
 fi
 
 log "preparing the default model"
-"$VENV/bin/python" -c "from gpu_worker.model_files import resolve_model_dir
+"$VENV/bin/python" -c "from gpu_worker.loading.model_files import resolve_model_dir
 print('[setup] model:', resolve_model_dir(''))" >&2
 log "building the C++ CPU kernels (cached after the first build)"
 "$VENV/bin/python" -c "from kernels import cpu_decode, cpu_layers, cpu_moe, cpu_quant

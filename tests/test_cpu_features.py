@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker import cpu_features
-from gpu_worker.cpu_features import CpuFeatures, parse_cpuinfo
+from gpu_worker.cpu import cpu_features
+from gpu_worker.cpu.cpu_features import CpuFeatures, parse_cpuinfo
 from gpu_worker.worker import resolve_dtype
 from kernels import cpu_decode, cpu_layers
 

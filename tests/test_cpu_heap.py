@@ -6,7 +6,7 @@ import pytest
 
 PROBE = """
 import resource, sys, torch
-from gpu_worker import cpu_heap
+from gpu_worker.cpu import cpu_heap
 if sys.argv[1] == "on":
     assert cpu_heap.keep_freed_memory()
 def layers():

@@ -83,8 +83,8 @@ def test_the_default_model_decodes_from_its_gguf_blocks_token_exact_against_tran
     from transformers import AutoModelForCausalLM
 
     from ferry import Engine, EngineConfig, SamplingParams
-    from gpu_worker import quantized_linears
-    from gpu_worker.model_files import default_model_dir
+    from gpu_worker.cpu import quantized_linears
+    from gpu_worker.loading.model_files import default_model_dir
     from tests.conftest import transformers_greedy
 
     monkeypatch.setattr(quantized_linears, "gguf_blocks_dir", lambda gguf_file: tmp_path / "blocks")

@@ -11,10 +11,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from base.sampling_params import SamplingParams  # noqa: E402
-from gpu_worker.cuda_graphs import DecodeGraphs, batch_sizes, eager_capture  # noqa: E402
-from gpu_worker.device_memory import MemoryPlan, profile_blocks, profile_requests  # noqa: E402
+from gpu_worker.cuda.cuda_graphs import DecodeGraphs, batch_sizes, eager_capture  # noqa: E402
+from gpu_worker.cuda.device_memory import MemoryPlan, profile_blocks, profile_requests  # noqa: E402
 from gpu_worker.kv_pool import KVPool  # noqa: E402
-from gpu_worker.warm_up import compile_kernels  # noqa: E402
+from gpu_worker.cuda.warm_up import compile_kernels  # noqa: E402
 from tests.conftest import import_interpreted_kernels  # noqa: E402
 from tests.engine_fixtures import BLOCK_SIZE, random_prompts, tiny_engine  # noqa: E402
 

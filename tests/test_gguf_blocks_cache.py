@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_worker import quantized_linears
-from gpu_worker.model_files import gguf_blocks_dir
+from gpu_worker.cpu import quantized_linears
+from gpu_worker.loading.model_files import gguf_blocks_dir
 from kernels import cpu_quant
 from tests.test_cpu_quant import random_blocks
 

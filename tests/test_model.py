@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from base.sampling_params import SamplingParams
-from gpu_worker import cpu_linear
+from gpu_worker.cpu import cpu_linear
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.worker import Worker
 from kernels import torch_paged

@@ -287,7 +287,7 @@ def test_metrics_gauges_move_while_requests_run_and_return_to_idle(traced_stack)
 
 
 def test_scheduler_metrics_name_the_workers_device_dtype_cpu_and_kernel_path(traced_stack):
-    from gpu_worker import cpu_features
+    from gpu_worker.cpu import cpu_features
     from kernels import cpu_decode
 
     cpu = cpu_features.detect()

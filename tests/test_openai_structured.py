@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from ferry.launcher import free_port
-from gpu_worker.model_files import default_model_dir
+from gpu_worker.loading.model_files import default_model_dir
 from tests.services_fixtures import API_KEY, HttpStack, start_services, wait_until
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from base.sampling_params import SamplingParams
-from gpu_worker.sampler import SampleRow, sample
+from gpu_worker.sampling.sampler import SampleRow, sample
 
 VOCAB = 50
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

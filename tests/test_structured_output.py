@@ -201,7 +201,7 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached(tiny_llama_d
 def test_bitmask_unpacking_masks_exactly_what_xgrammar_masks():
     import xgrammar
 
-    from gpu_worker.logit_masks import unpack_bitmasks
+    from gpu_worker.sampling.logit_masks import unpack_bitmasks
 
     words = torch.randint(-2**31, 2**31 - 1, (3, 16), dtype=torch.int32)
     logits = torch.randn(3, 500)

@@ -57,7 +57,7 @@ def http_stack(model_dir: Path, *router_flags: str, **scheduler_flags: str) -> I
 
 @pytest.fixture(scope="module")
 def smollm() -> Iterator[HttpStack]:
-    from gpu_worker.model_files import default_model_dir
+    from gpu_worker.loading.model_files import default_model_dir
 
     with http_stack(default_model_dir(), **{"--kv-cache-memory": str(200_000_000)}) as stack:
         yield stack

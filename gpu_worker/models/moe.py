@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker import cpu_linear
+from gpu_worker.cpu import cpu_linear
 from gpu_worker.model import ModelShape
 from gpu_worker.models.llama import LlamaForCausalLM, MLP
 from kernels import cpu_moe

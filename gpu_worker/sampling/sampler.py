@@ -1,4 +1,4 @@
-"""Batched sampling: logit bias and masks (gpu_worker/logit_masks), penalties, greedy, temperature, top-k, top-p,
+"""Batched sampling: logit bias and masks (gpu_worker/sampling/logit_masks), penalties, greedy, temperature, top-k, top-p,
 min-p, per-request seeds, logprobs; and prompt logprobs.
 
 Runs on the logits' own device: on a GPU only the sampled ids (and any logprobs asked for) come back to the host.
@@ -11,7 +11,7 @@ import torch
 import xxhash
 
 from base.sampling_params import SamplingParams
-from gpu_worker.logit_masks import adjusts_logits, apply_adjustments
+from gpu_worker.sampling.logit_masks import adjusts_logits, apply_adjustments
 from kernels import cpu_layers
 from protos import common_pb2
 

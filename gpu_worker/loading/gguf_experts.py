@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.gguf_config import GgufFile, complete_config
+from gpu_worker.loading.gguf_config import GgufFile, complete_config
 
 EXPERT_WEIGHTS = {"gate": "w1", "down": "w2", "up": "w3"}   # llama.cpp's ffn_{x}_exps -> Mixtral's experts.E.{w}
 EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|down|up)(_exps|\.(?P<expert>\d+))\.weight")

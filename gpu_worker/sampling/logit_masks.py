@@ -10,7 +10,7 @@ import torch
 from base.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from gpu_worker.sampler import SampleRow
+    from gpu_worker.sampling.sampler import SampleRow
 
 BITS = torch.arange(32, dtype=torch.int32)
 

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from gpu_worker.model_files import gguf_blocks_dir
+from gpu_worker.loading.model_files import gguf_blocks_dir
 from kernels import cpu_quant
 
 log = logging.getLogger(__name__)

@@ -106,8 +106,8 @@ def write_checkpoint(gguf_file: Path, directory: Path) -> None:
     """The file's weights (dequantized), config and generation config as an HF checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from gpu_worker.gguf_config import GgufFile
-    from gpu_worker.gguf_experts import convert_mixtral, has_experts
+    from gpu_worker.loading.gguf_config import GgufFile
+    from gpu_worker.loading.gguf_experts import convert_mixtral, has_experts
 
     contents = GgufFile.open(gguf_file)
     if has_experts(contents):   # Mixtral, which transformers' GGUF loader would read as a dense Llama
@@ -122,7 +122,7 @@ def gguf_config(gguf_file: Path, contents):
     """transformers' config of the file, completed with what its GGUF reader leaves out (gguf_config.py)."""
     from transformers import AutoConfig
 
-    from gpu_worker.gguf_config import complete_config
+    from gpu_worker.loading.gguf_config import complete_config
 
     config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     complete_config(config, contents)
