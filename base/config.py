@@ -33,7 +33,8 @@ class EngineConfig:
         "help": "on a GPU, the fraction of its total memory this worker may use: weights, activations and KV cache"})
     async_scheduling: bool = field(default=True, metadata={
         "switch_off": "--no-async-scheduling",
-        "help": "schedule each step while the previous one runs (the default); off: one step at a time"})
+        "help": "the scheduler service schedules each step while its worker runs the previous one (the default); "
+                "off: one step at a time. The in-process Engine always runs one at a time"})
     enforce_eager: bool = field(default=False, metadata={
         "switch_on": "--enforce-eager", "help": "on a GPU, run every step eagerly (no CUDA graphs)"})
     max_model_len: int = 0                # 0 = min(model's max_position_embeddings, 8192)

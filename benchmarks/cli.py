@@ -1,4 +1,4 @@
-"""`ferry bench offline | roofline | serve | memory | prefix | split | cluster | router | moe | structured`."""
+"""`ferry bench offline | roofline | serve | memory | prefix | split | async | cluster | router | moe | structured`."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from benchmarks.cli_args import (add_batch_args, add_dtype_arg, add_model_args, add_workload_args, concrete_dtype,
                                  load_requests, machine, model_dir, report)
-from benchmarks.cli_stacks import add_cluster_parser, add_prefix_parser, add_router_parser, add_split_parser
+from benchmarks.cli_stacks import (add_async_parser, add_cluster_parser, add_prefix_parser, add_router_parser,
+                                   add_split_parser)
 
 
 def add_bench_parser(sub) -> None:
@@ -16,8 +17,8 @@ def add_bench_parser(sub) -> None:
     offline = bench.add_parser("offline", help="offline throughput: Ferry's modes and transformers generate")
     add_workload_args(offline)
     offline.add_argument("--modes", default="continuous,hf",
-                         help="comma list of continuous, static, contiguous, no-prefix-cache, no-async (one step "
-                              "at a time), eager (no CUDA graphs), hf")
+                         help="comma list of continuous, static, contiguous, no-prefix-cache, eager (no CUDA "
+                              "graphs), hf")
     offline.add_argument("--max-num-seqs", type=int, default=128)
     offline.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
     offline.add_argument("--hf-batch-size", type=int, default=16)
@@ -52,6 +53,7 @@ def add_bench_parser(sub) -> None:
 
     add_prefix_parser(bench)
     add_split_parser(bench)
+    add_async_parser(bench)
     add_cluster_parser(bench)
     add_router_parser(bench)
     add_moe_parser(bench)

@@ -34,6 +34,23 @@ def add_split_parser(bench) -> None:
     split.set_defaults(handler=run_split)
 
 
+def add_async_parser(bench) -> None:
+    parser = bench.add_parser("async", help="async scheduling on vs off, served and offline, alternating rounds")
+    add_workload_args(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.set_defaults(handler=run_async)
+
+
+def run_async(args) -> int:
+    from benchmarks.async_scheduling import run
+
+    directory = model_dir(args)
+    report(args, run(args, load_requests(args, directory), directory))
+    return 0
+
+
 def add_cluster_parser(bench) -> None:
     cluster = bench.add_parser("cluster", help="issue 18: routing policies on a simulated cluster of N real "
                                                "schedulers (discrete-event clock, step cost model, no workers)")

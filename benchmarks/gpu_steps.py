@@ -186,14 +186,14 @@ def fixed_workload(count: int, prompt_len: int, output_len: int, vocab: int, see
 
 
 def throughput(plan: Plan, work: Path) -> dict:
-    """Ferry (as it runs by default; one step at a time; without CUDA graphs) vs transformers on the same device,
-    fixed lengths: output tokens per second, and each run's worker idle time between steps."""
+    """Ferry (with CUDA graphs, and eager) vs transformers on the same device, fixed lengths: output tokens per
+    second, and each run's worker idle time between steps."""
     from benchmarks.offline import ferry_config, run_ferry, run_transformers
 
     directory = str(model_dir(plan, work, plan.bench_shape, torch.bfloat16))
     requests = fixed_workload(plan.fixed_requests, plan.fixed_prompt, plan.fixed_output, vocab_size(directory))
     runs = {}
-    for name, mode in (("ferry", "continuous"), ("ferry_no_async", "no-async"), ("ferry_eager", "eager")):
+    for name, mode in (("ferry", "continuous"), ("ferry_eager", "eager")):
         config = ferry_config(directory, "bfloat16", mode, max_num_seqs=256, kv_cache_memory=kv_bytes(plan, 16))
         config.device = plan.device
         runs[name] = run_ferry(config, mode, requests, progress=False).as_dict()
@@ -202,8 +202,7 @@ def throughput(plan: Plan, work: Path) -> dict:
     rate = lambda name: runs[name]["output_tokens_per_s"]  # noqa: E731
     return {"model": plan.bench_shape, **runs,
             "ferry_over_transformers": round(rate("ferry") / rate("transformers"), 2),
-            "graphs_over_eager": round(rate("ferry") / rate("ferry_eager"), 2),
-            "async_over_one_step_at_a_time": round(rate("ferry") / rate("ferry_no_async"), 2)}
+            "graphs_over_eager": round(rate("ferry") / rate("ferry_eager"), 2)}
 
 
 def vocab_size(directory: str) -> int:

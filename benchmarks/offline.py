@@ -15,7 +15,6 @@ MODES = {
     "static": {"batching": "static"},
     "contiguous": {"kv_layout": "contiguous", "max_model_len": 2048},
     "no-prefix-cache": {"enable_prefix_caching": False},
-    "no-async": {"async_scheduling": False},
     "eager": {"enforce_eager": True},
 }
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,8 +65,6 @@ class Engine:
         self._tokenizer = None
         self.ids = itertools.count()
         self.last_step_seconds = self.last_idle_seconds = 0.0
-        self.in_flight: deque[tuple[worker_pb2.StepRequest, Future]] = deque()
-        self.stepper: ThreadPoolExecutor | None = None   # the worker's thread, with async scheduling
 
     @property
     def tokenizer(self):
@@ -89,30 +85,19 @@ class Engine:
         return token_ids
 
     def step(self) -> list[RequestOutput]:
-        """One step's outputs. With async scheduling the worker runs steps on its own thread, and the next step is
-        scheduled and queued behind the one running before that one's result is taken."""
-        depth = 2 if self.config.async_scheduling else 1
-        while len(self.in_flight) < depth and (step := self.scheduler.schedule()) is not None:
-            self.in_flight.append((step, self.submit(step)))
-        if not self.in_flight:
+        """One step, start to end. In one process the worker would share the interpreter's lock with the scheduler,
+        so steps run one at a time here; the scheduler service schedules ahead (async scheduling), its worker having
+        a process of its own."""
+        step = self.scheduler.schedule()
+        if step is None:
             if self.scheduler.compiling:   # a grammar is compiling on a thread: leave it the CPU
                 time.sleep(0.001)
             return []
-        step, pending = self.in_flight.popleft()
-        result = pending.result()
+        result = self.worker.step(step)
         self.last_step_seconds, self.last_idle_seconds = result.forward_seconds, result.idle_seconds
         outputs = self.scheduler.update(step, result)
         self.scheduler.drain_kv_events()   # no prefix index to publish them to; undrained, they would pile up
         return outputs
-
-    def submit(self, step: worker_pb2.StepRequest) -> Future:
-        if not self.config.async_scheduling:
-            done = Future()
-            done.set_result(self.worker.step(step))
-            return done
-        if self.stepper is None:
-            self.stepper = ThreadPoolExecutor(1, thread_name_prefix="worker-step")
-        return self.stepper.submit(self.worker.step, step)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort_request(request_id)

@@ -23,8 +23,8 @@ from kernels.triton_tiles import HAS_TRITON, tl, triton
 # a CUDA graph captured over persistent buffers replays it (gpu_worker/cuda/cuda_graphs.py).
 CAPTURABLE = True
 
-__all__ = ["CAPTURABLE", "HAS_TRITON", "PagedMetadata", "attend", "paged_attention_decode", "paged_prefill_attention", "prepare",
-           "store_kv"]
+__all__ = ["CAPTURABLE", "HAS_TRITON", "PagedMetadata", "attend", "paged_attention_decode", "paged_prefill_attention",
+           "prepare", "store_kv"]
 
 
 @triton.jit

@@ -126,7 +126,9 @@ class EngineLoop:
                     await self.wait_for_work()
                     continue
                 step, pending = in_flight.popleft()
-                outputs = self.scheduler.update(step, await pending)
+                result = await pending
+                self.telemetry.on_result(result)
+                outputs = self.scheduler.update(step, result)
                 # the next step goes to the worker before the streams are served: the worker never waits for them
                 self.fill(in_flight, depth)
                 self.telemetry.on_outputs(outputs)

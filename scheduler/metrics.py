@@ -87,6 +87,12 @@ class SchedulerMetrics:
             self.registry.register(histogram)
         self.finished = Counter("ferry:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        self.worker_idle = Counter("ferry:worker_idle_seconds", "Time the worker waited between the end of a step "
+                                   "and the start of the next (what async scheduling takes away while there is work; "
+                                   "also the waits when there is none).", ["model_name"],
+                                   registry=self.registry).labels(model_name)
+        self.worker_busy = Counter("ferry:worker_step_seconds", "Time the worker spent in its forward passes and "
+                                   "sampling.", ["model_name"], registry=self.registry).labels(model_name)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -170,6 +176,10 @@ class SchedulerTelemetry:
             record.num_prefill_chunks += 1
             record.span.add_event("prefill_chunk", {"ferry.num_computed_tokens": num_computed,
                                                     "ferry.num_scheduled_tokens": num_scheduled})
+
+    def on_result(self, result: worker_pb2.StepResult) -> None:
+        self.metrics.worker_idle.inc(result.idle_seconds)
+        self.metrics.worker_busy.inc(result.forward_seconds)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         now, records, inter_token = self.clock(), self.records, self.metrics.inter_token

@@ -1,6 +1,7 @@
-"""Async scheduling: the next step is built while the previous one runs. Its outputs are those of one step at a
-time, token for token (preemption, parallel samples, stop tokens, length limits, aborts, structured output);
-a sequence that finished costs at most one step more and never emits a token past its end."""
+"""Async scheduling: the next step is built while the previous one runs (the scheduler service's engine loop). Its
+outputs are those of one step at a time, token for token (preemption, parallel samples, stop tokens, length
+limits, aborts, structured output); a sequence that finished costs at most one step more and never emits a token
+past its end. The service's own tests (test_services, test_failover, ...) run with it on, its default."""
 from __future__ import annotations
 
 from collections import deque
@@ -16,11 +17,12 @@ from tests.engine_fixtures import random_prompts, tiny_engine
 from tests.test_scheduler import EOS, FakeWorker, make_scheduler, params
 
 
-def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int, abort: dict[int, str] | None = None
+def run_pipelined(scheduler: Scheduler, worker, depth: int, abort: dict[int, str] | None = None
                   ) -> tuple[dict[str, list[int]], dict[str, str], int]:
-    """Drive the scheduler with up to `depth` steps in flight (the fake worker runs each as it is sent, in order,
-    as the real one does); abort: request ids to abort once that many steps were built. Returns each sample's
-    tokens, finish reasons, and how many steps were built while another was in flight."""
+    """Drive the scheduler as the service's engine loop does, with up to `depth` steps in flight (the worker runs
+    each as it is sent, in order, as the real one does); abort: request ids to abort once that many steps were
+    built. Returns each sample's tokens, finish reasons, and how many steps were built while another was in
+    flight."""
     in_flight, outputs, ahead, built = deque(), [], 0, 0
     while scheduler.has_unfinished_requests() or in_flight:
         while len(in_flight) < depth and (step := scheduler.schedule()) is not None:
@@ -112,7 +114,9 @@ def test_in_any_mix_two_steps_in_flight_give_the_tokens_of_one_at_a_time(seed: i
     assert results[0] == results[1]
 
 
-def test_the_engine_gives_the_same_tokens_with_async_scheduling_on_and_off(tiny_llama_dir) -> None:
+def test_the_real_worker_gives_the_same_tokens_with_two_steps_in_flight_as_with_one(tiny_llama_dir) -> None:
+    """The model and its sampler behind the scheduler, as in the service: seeds, parallel samples, stop tokens,
+    penalties, a regex grammar and preemptions."""
     prompts = random_prompts(seed=9, count=10, lengths=range(3, 40))
     params_list = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(6)] + [
         SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=10, ignore_eos=True),
@@ -121,14 +125,14 @@ def test_the_engine_gives_the_same_tokens_with_async_scheduling_on_and_off(tiny_
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                        structured_output=StructuredOutput("regex", "[ab]{3,12}"))]
     outputs = {}
-    for on in (False, True):
-        engine = tiny_engine(tiny_llama_dir, async_scheduling=on, kv_cache_memory=24 * 2 * 2 * 4 * 2 * 16 * 4,
+    for depth in (1, 2):
+        engine = tiny_engine(tiny_llama_dir, kv_cache_memory=24 * 2 * 2 * 4 * 2 * 16 * 4,
                              max_num_batched_tokens=32)   # 24 blocks: preemptions
-        depths, submit = [], engine.submit
-        engine.submit = lambda step: depths.append(len(engine.in_flight)) or submit(step)
-        results = engine.generate(prompts, params_list)
-        assert max(depths) == (1 if on else 0)   # steps queued behind one in flight only when on
-        outputs[on] = [[s.token_ids for s in r.samples] for r in results]
-        assert engine.stats().num_free_blocks == engine.info.num_blocks and not engine.in_flight
-        assert engine.stats().num_preemptions > 0
-    assert outputs[True] == outputs[False]
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            engine.add_request(f"r{i}", prompt, p)
+        while engine.scheduler.compiling:   # the grammar compiles on a thread
+            engine.scheduler.queue_compiled()
+        *outputs[depth], ahead = run_pipelined(engine.scheduler, engine.worker, depth)
+        assert (ahead > 0) == (depth == 2)
+        assert engine.stats().num_free_blocks == engine.info.num_blocks and engine.stats().num_preemptions > 0
+    assert outputs[2] == outputs[1]

@@ -1,5 +1,5 @@
-"""Batched sampling: logit bias and masks (gpu_worker/sampling/logit_masks), penalties, greedy, temperature, top-k, top-p,
-min-p, per-request seeds, logprobs; and prompt logprobs.
+"""Batched sampling: logit bias and masks (gpu_worker/sampling/logit_masks), penalties, greedy, temperature, top-k,
+top-p, min-p, per-request seeds, logprobs; and prompt logprobs.
 
 Runs on the logits' own device: on a GPU only the sampled ids (and any logprobs asked for) come back to the host.
 Seeded rows draw from a generator on that device, so a seed gives one result on a GPU and another on a CPU."""
