@@ -17,9 +17,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.cost_model import CostProfile, step_work
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
+from benchmarks.cost_model import CostProfile, step_work
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo

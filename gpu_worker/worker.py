@@ -13,11 +13,11 @@ from gpu_worker.cpu import cpu_features, cpu_heap, cpu_linear, quantized_linears
 from gpu_worker.cuda import device_memory, warm_up
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
-from gpu_worker.model import TorchLayerOps
 from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
+from gpu_worker.loading.weights import load_weights
+from gpu_worker.model import TorchLayerOps
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
-from gpu_worker.loading.weights import load_weights
 from kernels import cpu_decode, cpu_layers, select_backend
 from protos import worker_pb2
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from base.sampling_params import SamplingParams
-from gpu_worker.kv_pool import KVPool
 from gpu_worker.cuda.warm_up import prefill_request
+from gpu_worker.kv_pool import KVPool
 from protos import worker_pb2
 
 GiB = 1 << 30

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.loading.weights import fused_checkpoint_tensor
 from gpu_worker.model import AttentionBatch, ModelShape, RMSNorm, rope_cos_sin, rope_parameters, softcap
 from gpu_worker.models.llama import LLAMA_FUSED, Attention, norm_heads
-from gpu_worker.loading.weights import fused_checkpoint_tensor
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu_worker.model import AttentionBatch, ModelShape, RMSNorm, rope_cos_sin
 from gpu_worker.loading.weights import fused_checkpoint_tensor
+from gpu_worker.model import AttentionBatch, ModelShape, RMSNorm, rope_cos_sin
 
 LLAMA_FUSED = {  # Ferry parameter suffix -> the checkpoint's parts, concatenated along dim 0
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),

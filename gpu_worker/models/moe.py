@@ -12,7 +12,7 @@ from torch import nn
 
 from gpu_worker.cpu import cpu_linear
 from gpu_worker.model import ModelShape
-from gpu_worker.models.llama import LlamaForCausalLM, MLP
+from gpu_worker.models.llama import MLP, LlamaForCausalLM
 from kernels import cpu_moe
 
 
