@@ -7,14 +7,14 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from base.config import DRAIN_TIMEOUT_S, add_engine_arguments, engine_config, engine_flags
 from base.tls import TlsConfig, add_tls_args, tls_config
+from ferry.stack import Stack
+from ferry.supervisor import Supervisor
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -61,57 +61,6 @@ def routing_policies() -> list[str]:
     from router.policy import POLICIES
 
     return sorted(POLICIES)
-
-
-@dataclass
-class Stack:
-    """Every process `ferry up` started, each in its own process group (a scheduler's group holds its worker)."""
-    processes: list[subprocess.Popen] = field(default_factory=list)
-    redis: subprocess.Popen | None = None   # the redis-server it started, if any: stopped last
-
-    def start(self, args: list[str], name: str, stdin_text: str = "", **popen_kwargs) -> subprocess.Popen:
-        """stdin_text: written to the process's standard input, which is then closed (secrets stay off argv)."""
-        if stdin_text:
-            popen_kwargs["stdin"] = subprocess.PIPE
-        process = subprocess.Popen(args, start_new_session=True, **popen_kwargs)
-        if stdin_text:
-            process.stdin.write(stdin_text.encode())
-            process.stdin.close()
-        self.processes.append(process)
-        print(f"[ferry] started {name} (pid {process.pid})", flush=True)
-        return process
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the services together (a scheduler drains, then stops its own worker), then Redis, which they
-        deregister from on the way out; SIGKILL what is left of a process group after timeout."""
-        redis = [p for p in self.processes if p is self.redis]
-        services = [p for p in self.processes if p is not self.redis]
-        deadline = time.monotonic() + timeout
-        for group in (services, redis):
-            for process in reversed(group):
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-            for process in group:
-                try:
-                    process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-                signal_group(process, signal.SIGKILL)   # whatever is left of the group (a worker, say)
-                process.wait()
-
-    def any_exited(self) -> subprocess.Popen | None:
-        return next((p for p in self.processes if p.poll() is not None), None)
-
-    def why_exited(self) -> str | None:
-        exited = self.any_exited()
-        return None if exited is None else f"process {exited.pid} exited with code {exited.returncode} during start-up"
-
-
-def signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def free_port() -> int:
@@ -180,12 +129,12 @@ def scheduler_envs(requested: int | None, gpus: list[str]) -> list[dict[str, str
     return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus[:count]]
 
 
-def start_redis(stack: Stack, password: str) -> str:
+def start_redis(supervisor: Supervisor, password: str) -> str:
     """A Redis for this stack only: on loopback, with a password (given on its standard input, not its argv)."""
     port = free_port()
     quoted = password.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     config = f'port {port}\nbind 127.0.0.1\nrequirepass "{quoted}"\nsave ""\nappendonly no\n'
-    stack.redis = stack.start([redis_server_binary(), "-"], "redis-server", stdin_text=config)
+    supervisor.start([redis_server_binary(), "-"], "redis-server", stops_last=True, stdin_text=config)
     return f"redis://127.0.0.1:{port}"
 
 
@@ -212,21 +161,22 @@ def tls_flags(tls: TlsConfig) -> list[str]:
     return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca] if tls.serving else []
 
 
-def start_stack(args: argparse.Namespace, stack: Stack) -> str:
+def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
     from gpu_worker.loading.model_files import resolve_model_dir
 
     tls = stack_tls(args)
     model_dir = str(resolve_model_dir(args.model))   # once, before N schedulers race to convert it
     secret_env = stack_secrets(args)
     env = {**os.environ, **secret_env}
-    redis_url = args.redis_url or start_redis(stack, secret_env["FERRY_REDIS_PASSWORD"])
+    stack = supervisor.stack
+    redis_url = args.redis_url or start_redis(supervisor, secret_env["FERRY_REDIS_PASSWORD"])
     py = sys.executable
     envs = scheduler_envs(args.num_schedulers, visible_gpus(args.device))
     scheduler_ports = [free_port() for _ in envs]
     config_flags = engine_flags(replace(engine_config(args), model=model_dir))
     for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
         gpu = f" on GPU {own_env['CUDA_VISIBLE_DEVICES']}" if own_env else ""
-        stack.start([py, "-m", "scheduler", *config_flags, "--port", str(port), "--redis-url",
+        supervisor.start([py, "-m", "scheduler", *config_flags, "--port", str(port), "--redis-url",
                      redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), "--drain-timeout", str(args.drain_timeout),
                      *scheduler_metrics_flags(args, i), *tls_flags(tls)],
                     f"scheduler {i} on 127.0.0.1:{port}{gpu}",
@@ -234,7 +184,7 @@ def start_stack(args: argparse.Namespace, stack: Stack) -> str:
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack, tls=tls)
     router_address = f"{args.host}:{args.port}"
-    stack.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
+    supervisor.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
                  "--policy", args.policy, "--drain-timeout", str(args.drain_timeout), *limit_flags(args),
                  "--workers", str(args.num_routers), *tls_flags(tls),
@@ -261,10 +211,9 @@ def run_up(args: argparse.Namespace) -> int:
     stack = Stack()
     signal.signal(signal.SIGTERM, raise_interrupt)
     try:
-        start_stack(args, stack)
-        while (exited := stack.any_exited()) is None:
-            time.sleep(0.5)
-        print(f"[ferry] process {exited.pid} exited with code {exited.returncode}; stopping", flush=True)
+        supervisor = Supervisor(stack)
+        start_stack(args, supervisor)
+        print(f"[ferry] {supervisor.run()}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("[ferry] stopping", flush=True)

@@ -19,8 +19,9 @@ import openai
 import redis
 
 from base.cluster_auth import token_metadata
-from ferry.launcher import Stack, free_port, wait_for_health
 from base.tls import TlsConfig
+from ferry.launcher import free_port, wait_for_health
+from ferry.stack import Stack
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 HEARTBEAT_TTL_S = 2.0

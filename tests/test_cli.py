@@ -14,8 +14,8 @@ import httpx
 import pytest
 import redis
 
-from ferry import launcher
-from ferry.launcher import free_port
+from ferry.launcher import free_port, wait_for_health
+from ferry.stack import Stack
 from protos import scheduler_pb2, scheduler_pb2_grpc
 from tests.services_fixtures import wait_until
 
@@ -120,6 +120,37 @@ def test_ferry_up_answers_generate_and_leaves_nothing_after_sigterm(tiny_llama_d
             up.kill()
 
 
+def started_pids(banner: str) -> dict[str, int]:
+    """The pid of each process `ferry up` started, by name ("scheduler 0", "redis-server", ...)."""
+    return {name: int(pid) for name, pid in re.findall(r"\[ferry\] started (redis-server|scheduler \d+|router)"
+                                                       r".*? \(pid (\d+)\)", banner)}
+
+
+def test_ferry_up_restarts_a_killed_scheduler_and_redis_while_the_rest_keeps_serving(tiny_llama_dir):
+    up, router, marker = start_ferry_up("--model", str(tiny_llama_dir), "--dtype", "float32",
+                                        "--kv-cache-memory", "4000000", "--policy", "round_robin")
+    try:
+        banner = wait_until_ready(up)
+        pids = started_pids(banner)
+        killed_address = re.search(r"started scheduler 0 on (\S+)", banner).group(1)
+        os.kill(pids["scheduler 0"], signal.SIGKILL)
+        os.kill(pids["redis-server"], signal.SIGKILL)
+        served = ferry_generate(router, "Paris is the capital of", "--max-tokens", "4")   # by scheduler 1
+        assert served.returncode == 0, served.stderr
+        wait_for_health(killed_address, Stack(), timeout=120)        # scheduler 0 is back on its port
+        for _ in range(2):                                           # round robin: each scheduler answers one
+            result = ferry_generate(router, "Paris is the capital of", "--max-tokens", "4")
+            assert result.returncode == 0, result.stderr
+        assert up.poll() is None
+        stop_and_check_nothing_left(up, marker)
+        printed = up.stdout.read()
+        for name in ("scheduler 0", "redis-server"):
+            assert f"(pid {pids[name]}) exited with code -9; restarting it in" in printed
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
 @pytest.mark.slow
 def test_ferry_up_with_the_default_model_says_paris():
     up, router, marker = start_ferry_up("--kv-cache-memory", "50000000")
@@ -151,11 +182,12 @@ time.sleep(60)
 
 
 def test_stop_keeps_redis_up_until_the_services_have_exited():
-    stack = launcher.Stack()
-    stack.redis = stack.start([sys.executable, "-c", "import time; time.sleep(60)"], "redis stand-in")
-    service = stack.start([sys.executable, "-c", SERVICE_THAT_NEEDS_REDIS_ON_EXIT, str(stack.redis.pid)], "service",
+    stack = Stack()
+    redis_stand_in = stack.start([sys.executable, "-c", "import time; time.sleep(60)"], "redis stand-in",
+                                 stops_last=True)
+    service = stack.start([sys.executable, "-c", SERVICE_THAT_NEEDS_REDIS_ON_EXIT, str(redis_stand_in.pid)], "service",
                           stdout=subprocess.PIPE, text=True)
     assert service.stdout.readline().strip() == "ready"
     stack.stop(timeout=10)
     assert service.stdout.read().strip() == "redis alive at exit"
-    assert stack.redis.poll() is not None
+    assert redis_stand_in.poll() is not None

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from ferry.launcher import Stack as LauncherStack
 from ferry.launcher import free_port, wait_for_health
+from ferry.stack import Stack as LauncherStack
 from protos import scheduler_pb2_grpc
 from tests.services_fixtures import (CHILD_ENV, ConnectStream, ServiceStack, child_pids, greedy, indexed_blocks,
                                      served_alone, start_services, wait_until)

@@ -21,7 +21,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from ferry.launcher import Stack, free_port, wait_for_health
+from ferry.launcher import free_port, wait_for_health
+from ferry.stack import Stack
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from protos.registry import SchedulerInfo, scheduler_key
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, served_alone, wait_until

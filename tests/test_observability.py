@@ -14,7 +14,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from ferry.launcher import Stack, free_port, wait_for_health
+from ferry.launcher import free_port, wait_for_health
+from ferry.stack import Stack
 from protos import router_pb2, router_pb2_grpc
 from router.policy import POLICIES
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, wait_until

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from base.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from ferry import launcher
 from ferry.launcher import free_port
-from base.sampling_params import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from ferry.stack import Stack as ProcessStack
 from protos import common_pb2, router_pb2
 from tests.services_fixtures import CHILD_ENV, ServiceStack, collect, greedy, start_services, wait_until
 
@@ -194,7 +195,7 @@ def capped_router(stack: Stack) -> Iterator[str]:
         resource.setrlimit(resource.RLIMIT_AS, (ROUTER_MEMORY_CAP, ROUTER_MEMORY_CAP))
 
     port, http_port = free_port(), free_port()
-    processes = launcher.Stack()
+    processes = ProcessStack()
     try:
         processes.start([sys.executable, "-m", "router", "--port", str(port), "--http-port", str(http_port),
                          "--redis-url", stack.services.redis_url], "capped router", env=CHILD_ENV,
