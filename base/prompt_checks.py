@@ -3,12 +3,17 @@ and the in-process engine on admission): its token ids inside the vocabulary, pr
 context. Both raise ValueError with the reason a client reads; each caller turns it into its own status."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+
+
+def check_logit_bias_ids(token_ids: Iterable[int], vocab_size: int) -> None:
+    if any(t >= vocab_size for t in token_ids):
+        raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size})")
 
 
 def check_fits_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

@@ -83,14 +83,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     def validate_logit_bias(self) -> None:
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
-        for token_id, bias in self.logit_bias.items():
-            if token_id < 0:
-                raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
-            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} "
-                                 f"for token {token_id}")
+        check_logit_bias(self.logit_bias)
 
     def validate_bad_words(self) -> None:
         if len(self.bad_words) > MAX_BAD_WORDS:
@@ -152,3 +145,15 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             msg.prompt_logprobs = self.prompt_logprobs
         return msg
+
+
+def check_logit_bias(logit_bias: dict[int, float]) -> None:
+    """Raise ValueError naming logit_bias if it names too many tokens, a negative id, or a bias out of range."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(logit_bias)}")
+    for token_id, bias in logit_bias.items():
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} "
+                             f"for token {token_id}")

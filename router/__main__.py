@@ -10,7 +10,7 @@ from base import event_loop
 from base.cluster_auth import add_secret_args, cluster_secrets
 from base.tls import add_tls_args, tls_config
 from router.api_keys import add_api_key_args, api_keys
-from router.http.serve import add_http_args
+from router.http.serve import add_http_args, http_limits
 from router.http.tool_parsers import PARSERS
 from router.limits import add_limit_args, key_limits
 from router.policy import POLICIES
@@ -40,8 +40,11 @@ def main() -> int:
 SERVING_LIMITS = [
     ("--max-concurrent-requests", int, "max_concurrent_requests",
      "streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429"),
-    ("--max-request-bytes", int, "max_request_bytes", "largest HTTP body or gRPC message accepted"),
+    ("--max-request-bytes", int, "max_request_bytes", "largest HTTP body (larger: 413) or gRPC message accepted"),
     ("--drain-timeout", float, "drain_timeout", "on SIGTERM, seconds in-flight streams get to finish"),
+    ("--scheduler-keepalive", float, "scheduler_keepalive",
+     "a scheduler silent this many seconds is pinged; still silent after as long, its streams break and resume "
+     "elsewhere"),
 ]
 
 
@@ -82,7 +85,8 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
                          args.http_host, args.http_port, api_keys(args), args.max_concurrent_requests,
                          args.max_request_bytes, args.drain_timeout, retry_options(args), key_limits(args),
                          secrets.cluster_token, secrets.redis_password, tls, args.reuse_port,
-                         args.tool_call_parser)
+                         args.tool_call_parser, http_limits=http_limits(args),
+                         scheduler_keepalive=args.scheduler_keepalive)
 
 
 if __name__ == "__main__":

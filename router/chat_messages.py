@@ -18,6 +18,13 @@ def chat_template_inputs(chat: router_pb2.ChatMessages) -> tuple[list[dict], lis
     return [template_message(m) for m in chat.messages], tools
 
 
+def chat_chars(chat: router_pb2.ChatMessages) -> int:
+    """The characters of text a chat holds (roles, contents, tool calls, tools): what its prompt grows with."""
+    return len(chat.tools) + sum(len(m.role) + len(m.content) + len(m.name) + len(m.tool_call_id)
+                                 + sum(len(call.name) + len(call.arguments) for call in m.tool_calls)
+                                 for m in chat.messages)
+
+
 def template_message(message: router_pb2.ChatMessage) -> dict:
     rendered: dict = {"role": message.role, "content": message.content}
     if message.tool_calls:

@@ -20,7 +20,7 @@ from router.discovery import SchedulerDirectory
 from router.http.app import create_app
 from router.http.body import MAX_REQUEST_BYTES
 from router.http.errors import RETRY_AFTER_S
-from router.http.serve import HttpServer, serve_http
+from router.http.serve import HttpLimits, HttpServer, serve_http
 from router.http.served_models import directory_models
 from router.limits import KeyLimiter, KeyLimits
 from router.metrics import RouterTelemetry
@@ -107,12 +107,14 @@ class RouterOptions:
     tls: TlsConfig = TlsConfig()         # cert: TLS on gRPC and HTTP; ca: schedulers dialed over TLS, checked by it
     reuse_port: bool = False             # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
     tool_call_parser: str = ""           # "auto" tool calls' format (hermes, llama3_json); "": from the chat template
+    http_limits: HttpLimits = field(default_factory=HttpLimits)   # connections, header and body timeouts
+    scheduler_keepalive: float = 10.0    # seconds: router -> scheduler pings (SchedulerDirectory.keepalive_s)
 
 
 async def serve(options: RouterOptions) -> int:
     directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path,
                                    redis_password=options.redis_password, cluster_token=options.cluster_token,
-                                   tls=options.tls)
+                                   tls=options.tls, keepalive_s=options.scheduler_keepalive)
     await directory.start()
     tracing = setup_tracing("ferry-router")
     router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing),
@@ -142,11 +144,12 @@ async def serve(options: RouterOptions) -> int:
 
 async def start_http(router: Router, directory: SchedulerDirectory, options: RouterOptions) -> HttpServer:
     app = create_app(router.generate, models=directory_models(directory), api_keys=options.api_keys,
-                     max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser)
+                     max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser,
+                     body_timeout=options.http_limits.body_timeout)
     router.telemetry.instrument(app)
     try:
         http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls,
-                                options.reuse_port)
+                                options.reuse_port, options.http_limits)
     except OSError as e:
         await directory.close()
         raise SystemExit(f"router: cannot serve HTTP on {options.http_host}:{options.http_port}: {e}") from e

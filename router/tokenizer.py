@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import threading
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from router.prompt_length import LONG_PROMPT_CHARS
 
 
 class ChatTemplateError(ValueError):
@@ -50,22 +52,29 @@ class RouterTokenizer:
         return template
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > LONG_PROMPT_CHARS:   # encode_batch frees the GIL while it works (encode holds it)
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt for OpenAI-shaped messages (tool calls' arguments as dicts) and, when given, the tools."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template: send a text prompt")
+    @cached_property
+    def compiled_chat_template(self) -> jinja2.Template:
+        """The chat template compiled once, on first use: rendering it is all a request pays."""
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt for OpenAI-shaped messages (tool calls' arguments as dicts) and, when given, the tools."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template: send a text prompt")
         try:
-            return env.from_string(self.chat_template).render(
+            return self.compiled_chat_template.render(
                 messages=messages, tools=tools, add_generation_prompt=True,
                 bos_token=special_token_text(self.config.get("bos_token")),
                 eos_token=special_token_text(self.config.get("eos_token")))

@@ -1,13 +1,17 @@
 """Hostile bodies on a real router, whose stderr the tests read: a string that is not Unicode text (a lone UTF-16
-surrogate, which JSON can spell) is 400 naming its field; a client that hangs up half-way through its body leaves no
-traceback. The router keeps serving after each."""
+surrogate, which JSON can spell), a logit_bias that is not token ids and biases, a prompt longer than the context can
+hold are 400 naming their field; a body over the size limit is 413; a client that hangs up half-way through its body
+leaves no traceback; one that trickles its headers or body in is cut off. The router keeps serving after each."""
 from __future__ import annotations
 
+import contextlib
 import json
+import select
 import socket
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +21,13 @@ import pytest
 
 from ferry.launcher import free_port, wait_for_health
 from protos import common_pb2, router_pb2
+from router.http.body import MAX_REQUEST_BYTES
 from tests.services_fixtures import CHILD_ENV, start_services, wait_until
 
 LONE = "\ud800"     # json.dumps writes it as the escape \ud800, which json.loads reads back as it is
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
+TIMEOUT_S = 2          # the router's header and body timeouts here
 
 
 @dataclass
@@ -46,7 +52,8 @@ def router(tiny_llama_dir, tmp_path_factory) -> Iterator[Router]:
         port, http_port = free_port(), free_port()
         with open(stderr, "wb") as log:
             services.stack.start([sys.executable, "-m", "router", "--port", str(port), "--redis-url",
-                                  services.redis_url, "--http-port", str(http_port)], "router with HTTP",
+                                  services.redis_url, "--http-port", str(http_port), "--http-header-timeout",
+                                  str(TIMEOUT_S), "--http-body-timeout", str(TIMEOUT_S)], "router with HTTP",
                                  env=CHILD_ENV, stderr=log)
         wait_for_health(f"127.0.0.1:{port}", services.stack, timeout=60)
         http = f"http://127.0.0.1:{http_port}"
@@ -151,3 +158,84 @@ def test_json_nested_past_the_parsers_depth_is_400_and_the_router_keeps_serving(
     assert response.status_code == 400, response.text
     assert "not valid JSON" in response.json()["error"]["message"]
     assert_serves(router)
+
+
+# --- fields that are not what they claim ---------------------------------------------------------------------
+@pytest.mark.parametrize("logit_bias", [
+    {"1" * 5000: 1}, {str(2**32): 1}, {"-1": 1}, {"five": 1}, {"1e3": 1},   # keys that are not token ids
+    {"100000": 1},                                                          # a token id past the vocabulary
+    {"5": 101}, {"5": -1000},                                               # biases out of [-100, 100]
+])
+def test_a_malformed_logit_bias_is_400_naming_it_and_the_router_keeps_serving(router, logit_bias):
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        response = router.post(path, {**body, "logit_bias": logit_bias})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "logit_bias" and "logit_bias" in error["message"] and len(error["message"]) < 200
+    assert_serves(router)
+
+
+LONG = "a " * 100_000      # far more characters than the tiny model's 1024-token context can hold
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {**COMPLETION, "prompt": LONG}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": LONG}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),   # no max_tokens
+])
+def test_a_prompt_longer_than_the_context_can_hold_is_400_naming_it(router, path, body, field):
+    response = router.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} is ") and "characters" in error["message"]
+    assert_serves(router)
+
+
+def test_a_body_over_the_size_limit_is_413_and_the_router_keeps_serving(router):
+    response = router.post("/v1/completions", {**COMPLETION, "prompt": "a" * (MAX_REQUEST_BYTES + 10)})
+    assert response.status_code == 413, response.text
+    assert "exceeds the limit" in response.json()["error"]["message"]
+    assert_serves(router)
+
+
+# --- clients that trickle their request in ------------------------------------------------------------------
+def trickle(http: str, head: bytes, seconds: float = 30) -> bytes | None:
+    """Send head, then one more byte every 0.25 s for up to `seconds`: all the router sends back before it closes
+    the connection (b"": nothing), or None if it still waits for the rest."""
+    host, port = http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(head)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if select.select([client], [], [], 0.25)[0]:
+                return received_until_closed(client)
+            with contextlib.suppress(OSError):   # the router closed its side first
+                client.sendall(b"a")
+    return None
+
+
+def received_until_closed(client: socket.socket) -> bytes:
+    answer = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := client.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_body_trickling_in_past_the_body_timeout_is_408_and_others_are_served_meanwhile(router):
+    before = router.log()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{\"prompt\": \"")
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(trickle, router.http, head)
+        assert_serves(router)
+        answer = slow.result()
+    assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"request body not received within" in answer and b"connection: close" in answer.lower()
+    assert "Traceback" not in router.log()[len(before):]
+
+
+def test_a_connection_trickling_its_headers_in_past_the_header_timeout_is_closed(router):
+    assert trickle(router.http, b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nX-Slow: ") == b""
+    assert_serves(router)
+

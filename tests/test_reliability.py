@@ -98,9 +98,9 @@ def test_oversized_grpc_request_is_invalid_argument_and_the_router_keeps_serving
     assert len(token_ids) == 2
 
 
-def test_oversized_http_body_is_400_before_it_is_read(stack):
+def test_oversized_http_body_is_413_before_it_is_read(stack):
     response = stack.post("/v1/completions", {"prompt": "a" * (MAX_REQUEST_BYTES + 10), "max_tokens": 2})
-    assert response.status_code == 400 and "exceeds the limit" in response.json()["error"]["message"]
+    assert response.status_code == 413 and "exceeds the limit" in response.json()["error"]["message"]
     assert stack.post("/v1/completions", {"prompt": "hello", "max_tokens": 2}).status_code == 200
 
 

@@ -173,3 +173,64 @@ def test_router_never_imports_torch():
 
     code = "import sys, router.server, router.__main__; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_chat_template_is_compiled_once_per_tokenizer_and_renders_as_before(tiny_llama_dir, monkeypatch):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    compiled = []
+    compile_template = ImmutableSandboxedEnvironment.from_string
+
+    def counted(env, source, *args, **kwargs):
+        compiled.append(source)
+        return compile_template(env, source, *args, **kwargs)
+
+    monkeypatch.setattr(ImmutableSandboxedEnvironment, "from_string", counted)
+    tokenizer = RouterTokenizer(str(tiny_llama_dir))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    first, again = tokenizer.render_chat(chat), tokenizer.render_chat(chat)
+    other = tokenizer.render_chat([{"role": "user", "content": "Another question?"}])
+    assert len(compiled) == 1
+    assert first == again and TEXT in first and "Another question?" in other and TEXT not in other
+
+
+def unreadable_token(tokenizer: RouterTokenizer) -> int:
+    """A token that decodes to U+FFFD alone and in any run of itself (a lone UTF-8 continuation byte)."""
+    return next(i for i in sorted(tokenizer.tokenizer.get_vocab().values())
+                if tokenizer.decode([i]) == "\ufffd" and tokenizer.decode([i] * 8) == "\ufffd" * 8)
+
+
+def skipped_special_token(tokenizer: RouterTokenizer) -> int:
+    return next(i for i, token in sorted(tokenizer.tokenizer.get_added_tokens_decoder().items())
+                if token.special and tokenizer.decode([i]) == "")
+
+
+@pytest.mark.parametrize("run_of", [unreadable_token, skipped_special_token])
+@pytest.mark.parametrize("stops", [(), ("never there",)])
+def test_a_long_run_of_tokens_without_readable_text_is_detokenized_in_linear_time(any_tokenizer, run_of, stops):
+    """A run of tokens that decode to U+FFFD or to nothing (logit_bias can force one) moves the window on: each
+    step decodes a few trailing tokens, not the whole run again; the text is still exactly the full decode."""
+    tokenizer, run = any_tokenizer, 2000
+    token_ids = tokenizer.encode("Hello ") + [run_of(tokenizer)] * run + tokenizer.encode(" bye")
+    decoded = []
+
+    def decode(ids: list[int]) -> str:
+        decoded.append(len(ids))
+        return tokenizer.decode(ids)
+
+    detok = IncrementalDetokenizer(decode, stops)
+    text = "".join(detok.add([t]).text for t in token_ids) + detok.add([], final=True).text
+    assert text == tokenizer.decode(token_ids)
+    assert max(decoded[:-1]) <= 8 and sum(decoded) < 20 * len(token_ids)   # the last decode: the final, of all
+
+
+def test_a_character_cut_at_the_end_of_a_long_chunk_is_sent_only_when_whole(tokenizer):
+    token_ids = tokenizer.encode("A dozen plain words come first, then 鵬𓀀ꙮ and the end.")
+    cuts = [n for n in range(1, len(token_ids)) if tokenizer.decode(token_ids[:n]).endswith("\ufffd")]
+    assert cuts, "the text has no character split across tokens"
+    for cut in cuts:
+        detok = IncrementalDetokenizer(tokenizer.decode)
+        deltas = [detok.add(token_ids[:cut]).text] + [detok.add([t]).text for t in token_ids[cut:]]
+        deltas.append(detok.add([], final=True).text)
+        assert "".join(deltas) == tokenizer.decode(token_ids)
+        assert not any(delta.endswith("\ufffd") for delta in deltas), (cut, deltas)

@@ -11,9 +11,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protos import router_pb2
-from router.chat_messages import chat_template_inputs
+from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
-from router.http.body import MAX_REQUEST_BYTES, parse_body
+from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import unless_disconnected
 from router.http.errors import APIError, install_error_handlers, reject_unsupported
 from router.http.fill_in_middle import NoFillInTheMiddle
@@ -23,6 +23,7 @@ from router.http.served_models import ModelsFn, ServedModel
 from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tool_calls import add_grammar, detect_parser, tool_plan
+from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 
 GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False, api_key="")
 
@@ -33,6 +34,7 @@ class OpenAIServer:
     models: ModelsFn
     max_request_bytes: int = MAX_REQUEST_BYTES
     tool_call_parser: str = ""     # "auto" tool choice's format; "": told by each model's chat template
+    body_timeout: float = BODY_TIMEOUT_S
 
     def model(self, name: str) -> ServedModel:
         served = self.models()
@@ -56,21 +58,18 @@ class OpenAIServer:
                                             "max_model_len": m.max_model_len} for m in self.models()]}
 
     async def completions(self, request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, self.max_request_bytes)
+        body = await parse_body(request, CompletionRequest, self.max_request_bytes, self.body_timeout)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        try:
-            generate_request = body.generate_request(request_id, model.route_name, model.tokenizer)
-        except NoFillInTheMiddle as e:
-            raise APIError(400, str(e), param="suffix") from e
+        generate_request = await completion_request(body, request_id, model)
         fmt = CompletionFormat(request_id, model, body.logprobs is not None, body.include_usage,
                                echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
                                want_prompt_logprobs=body.prompt_logprobs is not None)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes)
+        body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes, self.body_timeout)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -85,8 +84,10 @@ class OpenAIServer:
 
     async def room_left(self, model: ServedModel, body: ChatCompletionRequest) -> int:
         """OpenAI's chat default: as many tokens as the context has left after the prompt."""
+        chat = body.chat()
+        check_length("messages", chat_chars(chat), model.max_model_len)
         try:
-            prompt = await asyncio.to_thread(model.tokenizer.encode_chat, *chat_template_inputs(body.chat()))
+            prompt = await asyncio.to_thread(model.tokenizer.encode_chat, *chat_template_inputs(chat))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         return max(1, model.max_model_len - len(prompt))
@@ -104,10 +105,34 @@ class OpenAIServer:
         return JSONResponse(fmt.body(collected))
 
 
+async def completion_request(body: CompletionRequest, request_id: str,
+                             model: ServedModel) -> router_pb2.GenerateRequest:
+    """The GenerateRequest of a completion. With a suffix its prompt is tokenized here (in fill-in-the-middle
+    order), after the length check the router makes before it tokenizes."""
+    if not body.suffix:
+        return body.generate_request(request_id, model.route_name, model.tokenizer)
+    prompt = body.single_prompt
+    num_chars = (len(prompt) if isinstance(prompt, str) else 0) + len(body.suffix)
+    check_length("prompt", num_chars, model.max_model_len)
+    try:
+        return await off_the_loop_if_long(num_chars, body.generate_request, request_id, model.route_name,
+                                          model.tokenizer)
+    except NoFillInTheMiddle as e:
+        raise APIError(400, str(e), param="suffix") from e
+
+
+def check_length(field: str, num_chars: int, max_model_len: int) -> None:
+    try:
+        check_prompt_chars(field, num_chars, max_model_len)
+    except ValueError as e:
+        raise APIError(400, str(e), param=field) from e
+
+
 def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str = "") -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str = "",
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
-    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser)
+    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser, body_timeout)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if api_keys:

@@ -1,6 +1,7 @@
 """A request body read within its size limit and parsed as JSON into the API's schema."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -17,29 +18,42 @@ log = logging.getLogger(__name__)
 
 B = TypeVar("B", bound=BaseModel)
 MAX_REQUEST_BYTES = 4 << 20    # a request body (HTTP) or message (gRPC); larger ones are refused unread
+BODY_TIMEOUT_S = 30.0          # an HTTP body that takes longer to arrive is refused (a slowloris client)
 # What a body holding a lone surrogate must contain: a surrogate's \u escape, or its UTF-8 bytes (json.loads decodes
 # them with surrogatepass), or the NULs of UTF-16/32 text. A body with none of them (most) is not walked.
 SURROGATE_SIGN = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The body, refused as soon as it is known to exceed max_bytes (from Content-Length, or while streaming);
-    ClientGone if the client hangs up before sending all of it."""
-    too_large = APIError(400, f"request body exceeds the limit of {max_bytes} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
+async def read_body(request: Request, max_bytes: int, timeout: float = BODY_TIMEOUT_S) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed max_bytes (from Content-Length, or while streaming),
+    or (408) once it has taken more than timeout seconds to arrive; ClientGone if the client hangs up before sending
+    all of it."""
+    declared = request.headers.get("content-length", "")   # more digits than the limit has: too large, unparsed
+    if declared.isdigit() and (len(declared) > len(str(max_bytes)) or int(declared) > max_bytes):
+        raise body_too_large(max_bytes)
+    try:
+        async with asyncio.timeout(timeout):
+            return await read_chunks(request, max_bytes)
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout:g} seconds") from None
+
+
+async def read_chunks(request: Request, max_bytes: int) -> bytes:
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise too_large
+                raise body_too_large(max_bytes)
             chunks.append(chunk)
     except ClientDisconnect:
         log.debug("client hung up after %d bytes of its request body", size)
         raise ClientGone() from None
     return b"".join(chunks)
+
+
+def body_too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"request body exceeds the limit of {max_bytes} bytes (the router's --max-request-bytes)")
 
 
 def is_utf8(text: str) -> bool:
@@ -89,9 +103,10 @@ def json_body(raw: bytes) -> Any:
     return data
 
 
-async def parse_body(request: Request, schema: type[B], max_bytes: int = MAX_REQUEST_BYTES) -> B:
+async def parse_body(request: Request, schema: type[B], max_bytes: int = MAX_REQUEST_BYTES,
+                     timeout: float = BODY_TIMEOUT_S) -> B:
     """The JSON body as schema, whatever Content-Type the client claimed (curl -d sends a form type)."""
-    data = json_body(await read_body(request, max_bytes))
+    data = json_body(await read_body(request, max_bytes, timeout))
     try:
         return schema.model_validate(data)
     except ValidationError as e:

@@ -9,6 +9,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from base.sampling_params import check_logit_bias
 from base.structured_output import StructuredOutput
 from protos import common_pb2
 from router.http.errors import APIError
@@ -130,11 +131,25 @@ def from_response_format(response_format: ResponseFormat) -> StructuredOutput:
 
 
 def token_id_bias(logit_bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's keys are token ids as strings; the values' range is checked with the rest of SamplingParams."""
+    """OpenAI's keys are token ids as strings; the ids against the model's vocabulary are checked by the router."""
     biases = {}
     for key, bias in logit_bias.items():
-        if not (key.strip().isdecimal() and int(key) <= UINT32_MAX):
-            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+        token_id = parsed_token_id(key)
+        if token_id is None:
+            shown = key if len(key) <= 32 else f"{key[:32]}..."
+            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {shown!r}",
                            param="logit_bias")
-        biases[int(key)] = bias
+        biases[token_id] = bias
+    try:
+        check_logit_bias(biases)
+    except ValueError as e:
+        raise APIError(400, str(e), param="logit_bias") from e
     return biases
+
+
+def parsed_token_id(key: str) -> int | None:
+    digits = key.strip()
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= len(str(UINT32_MAX))):
+        return None   # int() of thousands of digits is slow, and past 4,300 a ValueError
+    token_id = int(digits)
+    return token_id if token_id <= UINT32_MAX else None

@@ -20,8 +20,10 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RAN
                grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable_error", 504: "timeout_error"}
+               404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
+               504: "timeout_error"}
+UNREAD_BODY = (408, 413)   # the body was not read to its end: the connection cannot carry another request
 RETRY_AFTER_S = 1
 
 
@@ -37,7 +39,11 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.status == 429 else None
+        headers = {}
+        if self.status == 429:
+            headers["Retry-After"] = str(self.retry_after)
+        if self.status in UNREAD_BODY:
+            headers["Connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -46,7 +52,8 @@ def api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, RequestError):
-        return APIError(HTTP_STATUS.get(error.code, 500), error.message, retry_after=error.retry_after)
+        return APIError(HTTP_STATUS.get(error.code, 500), error.message, param=error.param,
+                        retry_after=error.retry_after)
     if isinstance(error, ValueError):
         return APIError(400, str(error))
     log.exception("generate failed", exc_info=error)

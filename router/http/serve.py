@@ -4,18 +4,79 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import socket
 from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from base.tls import TlsConfig
+from router.http.body import BODY_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP client may hold of the server, and for how long (slow clients: slowloris)."""
+    max_connections: int = 8192    # uvicorn's limit_concurrency; above the router's 4096 streams, whose 429 comes first
+    header_timeout: float = 10.0   # seconds to send a request's head, from connecting or from the last response
+    body_timeout: float = BODY_TIMEOUT_S   # seconds for a request's body to arrive
 
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
+    defaults = HttpLimits()
     parser.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP host")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0: no HTTP")
+    parser.add_argument("--http-max-connections", type=int, default=defaults.max_connections,
+                        help="open HTTP connections (or requests in flight) past which requests get 503 "
+                             "(uvicorn's limit_concurrency; default: %(default)s)")
+    parser.add_argument("--http-header-timeout", type=float, default=defaults.header_timeout,
+                        help="seconds an HTTP client has to send a request's headers, from connecting or from its "
+                             "last response, before the connection is closed (default: %(default)s)")
+    parser.add_argument("--http-body-timeout", type=float, default=defaults.body_timeout,
+                        help="seconds an HTTP client has to send a request's body before it gets 408 "
+                             "(default: %(default)s)")
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    if args.http_max_connections < 1 or args.http_header_timeout <= 0 or args.http_body_timeout <= 0:
+        raise ValueError("--http-max-connections, --http-header-timeout and --http-body-timeout must be positive")
+    return HttpLimits(args.http_max_connections, args.http_header_timeout, args.http_body_timeout)
+
+
+class HeaderDeadlineProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol, which waits for a request's headers as long as they trickle in, with a deadline:
+    a connection that has not sent a request's whole head within header_timeout of connecting, or of its last
+    response, is closed."""
+
+    def __init__(self, *args, header_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self.header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self.arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def arm_header_deadline(self) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+        self.header_deadline = self.loop.call_later(self.header_timeout, self.close_unless_request_since,
+                                                    self.cycle)
+
+    def close_unless_request_since(self, cycle: object) -> None:
+        if self.cycle is cycle and not self.transport.is_closing():   # no new request's head came
+            self.transport.close()
 
 
 class EmbeddedServer(uvicorn.Server):
@@ -37,7 +98,8 @@ class HttpServer:
 
 
 async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 2.0,
-                     tls: TlsConfig = TlsConfig(), reuse_port: bool = False) -> HttpServer:
+                     tls: TlsConfig = TlsConfig(), reuse_port: bool = False,
+                     limits: HttpLimits = HttpLimits()) -> HttpServer:
     """Start serving app on host:port in the running event loop (HTTPS with tls.cert); OSError if the port cannot
     be bound. With reuse_port, other processes may bind it too (SO_REUSEPORT) and the kernel shares connections."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -49,7 +111,9 @@ async def serve_http(app: FastAPI, host: str, port: int, drain_timeout: float = 
     except OSError:
         sock.close()
         raise
-    server = EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off",
+    protocol = functools.partial(HeaderDeadlineProtocol, header_timeout=limits.header_timeout)
+    server = EmbeddedServer(uvicorn.Config(app, log_level="warning", lifespan="off", http=protocol,
+                                           limit_concurrency=limits.max_connections,
                                            timeout_graceful_shutdown=drain_timeout, **tls.uvicorn_options()))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
