@@ -50,6 +50,12 @@ class EngineConfig:
     attention_backend: str = "auto"       # auto | torch | triton
     seed: int = 0
     hash_seed: int = 0                    # seed of the prefix block hash chain
+    step_timeout: float = field(default=300.0, metadata={
+        "help": "seconds one worker step may take: past it the scheduler replaces its worker (a hung device) and "
+                "the router resumes its requests elsewhere"})
+    stall_timeout: float = field(default=30.0, metadata={
+        "help": "seconds the scheduler may wait on its worker (a step, a restart) before it reports NOT_SERVING "
+                "and leaves the registry, until it makes progress again"})
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,6 +70,8 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be 'paged' or 'contiguous', got {self.kv_layout!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if min(self.step_timeout, self.stall_timeout) <= 0:
+            raise ValueError("step_timeout and stall_timeout must be positive")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -133,7 +134,8 @@ async def serve(args: argparse.Namespace) -> None:
     vocab_size = Tokenizer.from_file(f"{args.model_path}/tokenizer.json").get_vocab_size()
     info = SchedulerInfo(f"synthetic-{uuid.uuid4().hex[:8]}", f"127.0.0.1:{port}", args.model_name,
                          args.model_path, 16, 1 << 20, vocab_size)
-    registry = Registry(args.redis_url, lambda: info)
+    # signed as a real scheduler's is, so that a router given $FERRY_CLUSTER_TOKEN too takes it
+    registry = Registry(args.redis_url, lambda: info, cluster_token=os.environ.get("FERRY_CLUSTER_TOKEN", ""))
     registry.start()
     stepping = asyncio.create_task(scheduler.run())
     stop = asyncio.Event()

@@ -34,6 +34,9 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
                         help="router processes sharing its ports (python -m router --workers N)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="scheduler i serves Prometheus /metrics on this port + i; 0: none")
+    parser.add_argument("--scheduler-keepalive", type=float, default=10.0,
+                        help="seconds of silence after which the router pings a scheduler; as many more without an "
+                             "answer and its streams resume on another")
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish")
     parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
@@ -187,6 +190,7 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
     supervisor.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
                  "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
                  "--policy", args.policy, "--drain-timeout", str(args.drain_timeout), *limit_flags(args),
+                 "--scheduler-keepalive", str(args.scheduler_keepalive),
                  "--workers", str(args.num_routers), *tls_flags(tls),
                  *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
                 "router", env=env)

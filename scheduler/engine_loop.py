@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class EngineLoop:
         self.on_kv_events = lambda stored, removed: None
         self.failure: str | None = None
         self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
+        self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
         metrics = SchedulerMetrics(self.load, info.model_name, dict(info.device_info))
         self.telemetry = SchedulerTelemetry(metrics, tracing)
 
@@ -78,14 +80,18 @@ class EngineLoop:
                              info.sliding_window)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    outputs: asyncio.Queue, trace_parent: Context | None = None) -> RequestStream:
+                    outputs: asyncio.Queue, trace_parent: Context | None = None,
+                    resumed_token_ids: list[int] | None = None) -> RequestStream:
+        """resumed_token_ids: what another scheduler generated for it before it died (Scheduler.add_request)."""
         if self.draining:
             raise Draining("the scheduler is shutting down")
         if self.failure:
             raise WorkerFailed(self.failure)
         check_token_ids(prompt_token_ids, self.info.vocab_size)
+        if resumed_token_ids:
+            check_token_ids(resumed_token_ids, self.info.vocab_size)
         self.limits.check(self.scheduler, len(prompt_token_ids))
-        self.scheduler.add_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [])
         self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = RequestStream(request_id, params.n, outputs)
@@ -126,7 +132,7 @@ class EngineLoop:
                     await self.wait_for_work()
                     continue
                 step, pending = in_flight.popleft()
-                result = await pending
+                result = await self.wait_on_worker(pending)
                 self.telemetry.on_result(result)
                 outputs = self.scheduler.update(step, result)
                 # the next step goes to the worker before the streams are served: the worker never waits for them
@@ -147,12 +153,24 @@ class EngineLoop:
     def send(self, step: worker_pb2.StepRequest) -> tuple[worker_pb2.StepRequest, asyncio.Future]:
         step.previous_step_id, self.last_sent_step_id = self.last_sent_step_id, step.step_id
         self.telemetry.on_step(step)
-        return step, asyncio.ensure_future(self.worker.step(step))
+        return step, asyncio.ensure_future(self.worker.step(step, self.config.step_timeout))
+
+    async def wait_on_worker(self, work):
+        """await work (a step's result, a restart), marked as time the loop makes no progress (stalled_seconds)."""
+        self.waiting_since = time.monotonic()
+        try:
+            return await work
+        finally:
+            self.waiting_since = None
+
+    def stalled_seconds(self) -> float:
+        """How long the loop has been waiting on its worker; 0 while it is not."""
+        return 0.0 if self.waiting_since is None else time.monotonic() - self.waiting_since
 
     async def restart_worker(self) -> None:
         log.warning("restarting the worker")
         await self.worker.stop()
-        self.info = await self.worker.start(self.config)
+        self.info = await self.wait_on_worker(self.worker.start(self.config))
         self.last_sent_step_id = 0
         self.forget_cached_blocks()
         old = self.scheduler

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,12 +20,13 @@ from base.grpc_options import GRPC_OPTIONS
 from base.telemetry import setup_tracing
 from base.tls import TlsConfig
 from protos import scheduler_pb2_grpc
+from protos.registry import SchedulerInfo
 from scheduler.admission import AdmissionLimits
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Reporting
-from protos.registry import SchedulerInfo
 from scheduler.registry import Registry
 from scheduler.service import SchedulerService
+from scheduler.stall_watch import StallWatch
 from scheduler.worker_process import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     config.validate()
     worker = WorkerProcess()
     tracing = setup_tracing("ferry-scheduler")
-    reporting = readiness = None
+    reporting = readiness = watching = None
     try:
         info = await worker.start(config)
         loop = EngineLoop(config, worker, info, tracing, options.limits)
@@ -81,16 +83,19 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
                                           options.log_stats_interval)
         identity = SchedulerInfo(scheduler_id, address, info.model_name, info.model_path, info.block_size,
                                  info.max_model_len, info.vocab_size, config.hash_seed)
-        registry = start_registry(loop, options, identity)
+        watch = StallWatch(loop.stalled_seconds, health_servicer, config.stall_timeout)
+        registry = start_registry(loop, options, identity, serving_fn=lambda: not watch.stalled)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         readiness = asyncio.create_task(report_ready(health_servicer, registry))
+        watching = asyncio.create_task(watch.run())
         print(f"scheduler {scheduler_id} serving {info.model_name} on {address} "
               f"({info.num_blocks} blocks of {info.block_size})", flush=True)
         await run_until_signalled(loop, server, health_servicer, registry, options.drain_timeout)
         return 1 if loop.failure else 0
     finally:
-        if readiness is not None:
-            readiness.cancel()
+        for task in (readiness, watching):
+            if task is not None:
+                task.cancel()
         if reporting is not None:
             await reporting.stop()
         await worker.stop()   # the loop restarts workers in place: this is always the current one
@@ -108,8 +113,10 @@ async def start_grpc(loop: EngineLoop, scheduler_id: str, options: ServeOptions
     return server, health_servicer, port
 
 
-def start_registry(loop: EngineLoop, options: ServeOptions, identity: SchedulerInfo) -> Registry | None:
-    """Heartbeats carrying identity and the loop's current load, and the loop's KV events; None without Redis."""
+def start_registry(loop: EngineLoop, options: ServeOptions, identity: SchedulerInfo,
+                   serving_fn: Callable[[], bool]) -> Registry | None:
+    """Heartbeats carrying identity and the loop's current load while serving_fn() says so, and the loop's KV
+    events; None without Redis."""
     if not options.redis_url:
         return None
 
@@ -118,7 +125,9 @@ def start_registry(loop: EngineLoop, options: ServeOptions, identity: SchedulerI
         return dataclasses.replace(identity, num_waiting=stats.num_waiting, num_running=stats.num_running,
                                    waiting_tokens=stats.waiting_tokens, running_tokens=stats.running_tokens)
 
-    registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl, password=options.redis_password)
+    registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl, password=options.redis_password,
+                        held_fn=lambda: loop.scheduler.block_manager.published_hashes(), serving_fn=serving_fn,
+                        cluster_token=options.cluster_token)
     loop.on_kv_events = registry.push_kv_events
     registry.start()
     return registry

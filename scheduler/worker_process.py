@@ -51,10 +51,12 @@ class WorkerProcess:
             return None
         return f"worker exited with code {self.process.returncode} while starting"
 
-    async def step(self, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+    async def step(self, step: worker_pb2.StepRequest, timeout: float | None = None) -> worker_pb2.StepResult:
         try:
-            return await self.stub.Step(step)
+            return await self.stub.Step(step, timeout=timeout)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.process.poll() is None:
+                self.process.kill()   # hung (a device that stopped answering): no use asking it to exit
             raise WorkerFailed(f"worker step failed: {e.code().name}: {e.details()}") from e
 
     async def stop(self) -> None:

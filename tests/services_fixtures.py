@@ -160,9 +160,9 @@ def child_pids(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def indexed_blocks(redis_client: redis.Redis, scheduler_id: str) -> list[bytes]:
-    """The prefix-index keys that name scheduler_id as a holder."""
-    return [k for k in redis_client.scan_iter(match="ferry:blk:*") if scheduler_id.encode() in redis_client.smembers(k)]
+def indexed_blocks(redis_client: redis.Redis, scheduler_id: str) -> list[int]:
+    """The block hashes the prefix index says scheduler_id holds."""
+    return [int(h) for h in redis_client.smembers(f"ferry:blocks:{scheduler_id}")]
 
 
 def wait_until(predicate, what: str, timeout: float = 30.0) -> None:

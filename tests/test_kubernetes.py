@@ -1,20 +1,29 @@
 """deploy/kubernetes: every manifest is valid against the Kubernetes API schemas (kubernetes-validate ships them, so
 this runs offline), and the pieces fit together: Services select pod templates, every argument and environment
 variable configures the service it is given to (checked against the services' real argparse parsers), probes
-and scrapes point at container ports, grace periods outlast the drains."""
+and scrapes point at container ports, grace periods outlast the drains, and no secret is on a command line."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
 import re
+import secrets
+import shutil
+import signal
+import subprocess
 from pathlib import Path
 from unittest import mock
 
 import pytest
+import redis
 import yaml
 from kubernetes_validate import validate
 from opentelemetry.sdk import environment_variables as otel_environment_variables
+
+from ferry.launcher import free_port
+from scheduler.__main__ import check_exposure
+from tests.services_fixtures import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -23,6 +32,8 @@ FERRY_PACKAGES = ("ferry", "router", "scheduler", "gpu_worker", "kernels", "prot
 DOWNWARD_API_SAMPLES = {"metadata.name": "ferry-scheduler-7d9c-x2x4q", "metadata.namespace": "ferry",
                         "status.podIP": "10.4.0.17"}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+SECRET_FLAGS = ("--requirepass", "--masterauth", "--cluster-token", "--redis-password", "--api-key", "-a")
+SECRET_NAMED = re.compile(r"\$\(\w*(PASSWORD|TOKEN|SECRET|KEY|AUTH)\w*\)")   # a $(VAR) the kubelet would expand
 
 
 # --- reading the manifests ---------------------------------------------------------------------------------
@@ -229,6 +240,8 @@ def test_schedulers_take_one_gpu_each_and_register_their_pod_ip():
     assert args.advertise_host == DOWNWARD_API_SAMPLES["status.podIP"]
     assert args.device == "cuda"
     assert container["readinessProbe"]["grpc"]["service"] == "ferry.Scheduler"
+    assert args.cluster_token and not args.insecure
+    check_exposure(args.host, args.cluster_token, args.insecure)   # would refuse to start on 0.0.0.0 without it
 
 
 def test_routers_see_the_model_cache_where_schedulers_register_their_model_paths():
@@ -270,6 +283,90 @@ def test_routers_schedulers_and_redis_share_the_generated_secret():
     for module, container, _ in ferry_containers():
         assert wanted.items() <= secret_refs(container).items(), module
     (redis,) = [c for t in pod_templates() for c in t["spec"]["containers"] if c["name"] == "redis"]
-    refs = secret_refs(redis)
-    assert refs["REDIS_PASSWORD"] == refs["REDISCLI_AUTH"] == (generator["name"], "redis-password", False)
-    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert secret_refs(redis)["REDISCLI_AUTH"] == (generator["name"], "redis-password", False)
+    assert redis_password_file(generator["name"]) in redis["command"][-1]
+
+
+def redis_password_file(secret: str) -> str:
+    """Where the redis container finds the `redis-password` key of `secret`, mounted as a file."""
+    (template,) = [t for t in pod_templates() if any(c["name"] == "redis" for c in t["spec"]["containers"])]
+    (volume,) = [v for v in template["spec"]["volumes"] if v.get("secret", {}).get("secretName") == secret]
+    (redis,) = template["spec"]["containers"]
+    (mount,) = [m for m in redis["volumeMounts"] if m["name"] == volume["name"]]
+    (item,) = [i for i in volume["secret"]["items"] if i["key"] == "redis-password"]
+    return f"{mount['mountPath']}/{item['path']}"
+
+
+def command_lines(container: dict) -> list[list[str]]:
+    """Every argv the container runs: its process, its probes' and its lifecycle hooks' commands."""
+    hooks = [container.get(p, {}) for p in PROBES] + list(container.get("lifecycle", {}).values())
+    return [container.get("command", []) + container.get("args", [])] + [h.get("exec", {}).get("command", [])
+                                                                         for h in hooks]
+
+
+def secrets_on_command_lines(container: dict) -> list[list[str]]:
+    """The container's argvs that carry a secret: a $(VAR) taken from a Secret or named like one, or a flag that
+    takes a secret's value."""
+    from_secrets, found = set(secret_refs(container)), []
+    for argv in command_lines(container):
+        text = " ".join(argv)
+        expanded = set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", text))
+        flags = {word.strip("'\"").split("=")[0] for word in text.split()} & set(SECRET_FLAGS)
+        if expanded & from_secrets or SECRET_NAMED.search(text) or flags:
+            found.append(argv)
+    return found
+
+
+def test_no_secret_is_on_any_command_line():
+    """Any process on the node can read another's argv (ps): secrets reach containers as files or environment, and
+    a shell feeds them on (printf is a builtin) rather than exec'ing a program with them as arguments."""
+    for template in pod_templates():
+        for container in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
+            assert not secrets_on_command_lines(container), container["name"]
+
+
+def test_secret_check_catches_a_password_passed_as_an_argument():
+    from_secret = {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    assert secrets_on_command_lines({"args": ["--save", "", "--requirepass", "$(REDIS_PASSWORD)"],
+                                     "env": [from_secret]})
+    assert secrets_on_command_lines({"command": ["sh", "-c", 'exec redis-server --requirepass "$PASS"']})
+    assert secrets_on_command_lines({"readinessProbe": {"exec": {"command": ["redis-cli", "-a", "$(PASS)", "ping"]}}})
+    assert not secrets_on_command_lines({"args": ["--scheduler-id", "$(POD_NAME)", "--cluster-token-file", "/s/t"]})
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_the_manifests_redis_requires_the_password_from_its_secret_file(tmp_path):
+    """The redis container's own command, run here on the secret file's copy: Redis takes the password from it, and
+    no process's command line shows it."""
+    (redis_container,) = [c for t in pod_templates() for c in t["spec"]["containers"] if c["name"] == "redis"]
+    password, port = secrets.token_hex(16), free_port()
+    secret_file = redis_password_file(kustomization()["secretGenerator"][0]["name"])
+    (tmp_path / "redis-password").write_text(password + "\n")
+    *shell, script = redis_container["command"]
+    script = script.replace(secret_file, str(tmp_path / "redis-password")) + f" --port {port} --bind 127.0.0.1"
+    server = subprocess.Popen([*shell, script], stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: answers(f"redis://:{password}@127.0.0.1:{port}"), "the manifest's redis up", timeout=15)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        assert not [args for args in command_lines_of_every_process() if password in args]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def answers(url: str) -> bool:
+    try:
+        return redis.Redis.from_url(url).ping()
+    except redis.ConnectionError:
+        return False
+
+
+def command_lines_of_every_process() -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found.append(cmdline.read_bytes().decode(errors="replace"))
+        except OSError:   # gone, or not ours to read
+            pass
+    return found

@@ -2,7 +2,8 @@
 Kubernetes would (Redis on 127.0.0.1, schedulers on 127.0.0.2 and 127.0.0.3, the router on 127.0.0.4, a scheduler
 that joins later on 127.0.0.5, one watched while it waits for its Redis on 127.0.0.6). The scheduler on 127.0.0.3
 binds every interface and advertises the address given by $FERRY_ADVERTISE_HOST, as a pod advertises its pod IP;
-the others advertise the address they bind."""
+the others advertise the address they bind. Every service has the cluster token, as in a deployment: a scheduler
+binding every interface refuses to start without one, and the router takes only registrations signed with it."""
 from __future__ import annotations
 
 import os
@@ -21,18 +22,20 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from base.cluster_auth import token_metadata
 from ferry.launcher import free_port, wait_for_health
 from ferry.stack import Stack
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from protos.registry import SchedulerInfo, scheduler_key
+from protos.registry import SchedulerInfo, scheduler_key, verified_registration
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, served_alone, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 HEARTBEAT_TTL_S = 2.0
 REDIS_HOST, ROUTER_HOST = "127.0.0.1", "127.0.0.4"
 MAX_TOKENS = 8
+CLUSTER_TOKEN = "cluster-token-for-tests"
 # what is tested here is registration and routing: workers use torch ops, not wait on a C++ kernel build
-SERVICE_ENV = {**CHILD_ENV, "FERRY_CPU_KERNELS": "0"}
+SERVICE_ENV = {**CHILD_ENV, "FERRY_CPU_KERNELS": "0", "FERRY_CLUSTER_TOKEN": CLUSTER_TOKEN}
 
 
 @dataclass
@@ -60,8 +63,9 @@ class Cluster:
         return redis.Redis.from_url(self.redis_url)
 
     def registration(self, scheduler_id: str) -> SchedulerInfo | None:
+        """The scheduler's registration, checked as the router checks it (signed with the cluster token)."""
         value = self.redis().get(scheduler_key(scheduler_id))
-        return SchedulerInfo.from_json(value) if value is not None else None
+        return verified_registration(value, CLUSTER_TOKEN) if value is not None else None
 
     def start_scheduler(self, scheduler_id: str, host: str, bind: str | None = None) -> Scheduler:
         """A scheduler on `host`; with `bind`, it listens there and advertises `host` through the environment."""
@@ -136,13 +140,15 @@ def distinct_prompts(count: int, offset: int) -> list[list[int]]:
 
 def served_directly(scheduler: Scheduler, prompt: list[int]) -> list[int]:
     with grpc.insecure_channel(scheduler.address) as channel:
-        return served_alone(scheduler_pb2_grpc.SchedulerStub(channel), prompt, greedy(MAX_TOKENS)).tokens("alone")
+        return served_alone(scheduler_pb2_grpc.SchedulerStub(channel), prompt, greedy(MAX_TOKENS),
+                            metadata=token_metadata(CLUSTER_TOKEN)).tokens("alone")
 
 
 def generation_tokens(scheduler: Scheduler) -> int:
     with grpc.insecure_channel(scheduler.address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        return stub.Stats(scheduler_pb2.StatsRequest(), timeout=10).generation_tokens_total
+        return stub.Stats(scheduler_pb2.StatsRequest(), timeout=10,
+                          metadata=token_metadata(CLUSTER_TOKEN)).generation_tokens_total
 
 
 def test_schedulers_register_addresses_on_their_own_hosts(cluster):

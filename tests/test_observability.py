@@ -185,7 +185,7 @@ def test_router_span_records_the_prefix_blocks_each_candidate_holds(traced_stack
     store = redis.Redis.from_url(traced_stack.redis_url)
 
     def num_published_blocks() -> int:
-        return sum(1 for _ in store.scan_iter(match="*:blk:*"))
+        return sum(store.scard(key) for key in store.scan_iter(match="*:blocks:*"))
 
     published_before = num_published_blocks()
     generate(traced_stack, prompt, 2, request_id="cold")

@@ -81,8 +81,8 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(services):
     holder = services.scheduler_addresses[1]
     served_alone(scheduler_pb2_grpc.SchedulerStub(services.channel(holder)), prefix + [7], greedy(1), "warm")
     redis = services.redis()
-    last_key = f"ferry:blk:{model}:{hash_blocks(prefix, block_size, model)[-1]}"
-    wait_until(lambda: b"sched-1" in redis.smembers(last_key), "the prefix published by sched-1")
+    last_block = hash_blocks(prefix, block_size, model)[-1]
+    wait_until(lambda: redis.sismember("ferry:blocks:sched-1", last_block), "the prefix published by sched-1")
     hits_before = [services.scheduler_stats(a).prefix_cache_hits for a in services.scheduler_addresses]
     for i in range(4):
         request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prefix + [20 + i, 30 + i]),

@@ -1,9 +1,11 @@
 """Security pieces on their own, without a stack: per-key limits counted, API keys matched exactly, a rediss://
-URL with its CA and password reaching a TLS Redis, and bad TLS and secret flags refused with a clear error."""
+URL with its CA and password reaching a TLS Redis, bad TLS and secret flags refused with a clear error, and a
+scheduler that would take callers from other hosts without a cluster token refused unless --insecure."""
 from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import subprocess
 import sys
 
@@ -11,11 +13,12 @@ import pytest
 import redis
 
 from base.cluster_auth import matching_key
-from ferry.launcher import free_port
 from base.tls import TlsConfig
+from ferry.launcher import free_port
 from protos.registry import SchedulerInfo
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, KeyLimits, OverLimit
+from scheduler.__main__ import build_parser, check_exposure
 from scheduler.registry import Registry
 from tests.conftest import make_pki
 from tests.services_fixtures import wait_until
@@ -105,3 +108,23 @@ def test_bad_tls_and_secret_flags_are_refused_with_a_clear_error(tmp_path, monke
     for (module, *flags), message in cases.items():
         assert run_main(module, flags, monkeypatch) == 2
         assert message in capsys.readouterr().err, flags
+
+
+def test_a_scheduler_on_every_interface_without_a_cluster_token_refuses_to_start_before_loading_anything():
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_CLUSTER_TOKEN"}
+    result = subprocess.run([sys.executable, "-m", "scheduler", "--host", "0.0.0.0", "--model", "/nonexistent"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2
+    assert all(flag in result.stderr for flag in ("--cluster-token", "--cluster-token-file", "$FERRY_CLUSTER_TOKEN",
+                                                  "--insecure")), result.stderr
+
+
+def test_a_scheduler_beyond_loopback_needs_a_cluster_token_or_insecure():
+    for host in ("0.0.0.0", "::", "10.4.0.17", "scheduler.example"):
+        with pytest.raises(ValueError, match="no cluster token"):
+            check_exposure(host, "", insecure=False)
+        check_exposure(host, "a-token", insecure=False)
+        args = build_parser().parse_args(["--host", host, "--insecure"])
+        check_exposure(args.host, "", args.insecure)
+    for host in ("127.0.0.1", "127.0.0.3", "::1", "[::1]", "localhost"):
+        check_exposure(host, "", insecure=False)

@@ -135,3 +135,59 @@ def test_a_request_id_live_on_the_connection_is_refused_without_reaching_the_sch
         await eventually(lambda: len(fake.submitted) == 1)
 
     with_fake_scheduler(scenario)
+
+
+SILENT_SERVER = """
+import asyncio, sys
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from base.grpc_options import GRPC_OPTIONS
+
+async def main():
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+def test_a_scheduler_that_stops_answering_breaks_the_routers_stream_after_its_keepalive():
+    """A SIGSTOPped process (a hung host) keeps its TCP connection open: only the pings the router's channels send
+    find it out, after keepalive_s of silence and as long again without an answer (gRPC's own wait is 60 s)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from router.discovery import SchedulerDirectory
+
+    server = subprocess.Popen([sys.executable, "-c", SILENT_SERVER], stdout=subprocess.PIPE, text=True)
+
+    async def broken_after() -> tuple[float, grpc.StatusCode]:
+        directory = SchedulerDirectory(keepalive_s=1.0)
+        call = health_pb2_grpc.HealthStub(directory.channel(f"127.0.0.1:{server.stdout.readline().strip()}")).Watch(
+            health_pb2.HealthCheckRequest())
+        await call.read()
+        os.kill(server.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            await asyncio.wait_for(call.read(), timeout=20)
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        await directory.close()
+        return time.monotonic() - stopped_at, code
+
+    try:
+        seconds, code = asyncio.run(broken_after())
+    finally:
+        server.kill()
+        server.wait()
+    assert code == grpc.StatusCode.UNAVAILABLE and seconds < 15, (seconds, code)
