@@ -1,4 +1,5 @@
-"""`ferry bench offline | roofline | serve | memory | prefix | split | async | cluster | router | moe | structured`."""
+"""`ferry bench offline | roofline | serve | memory | prefix | split | async | chaos | cluster | router | moe |
+structured`."""
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,8 @@ from pathlib import Path
 
 from benchmarks.cli_args import (add_batch_args, add_dtype_arg, add_model_args, add_workload_args, concrete_dtype,
                                  load_requests, machine, model_dir, report)
-from benchmarks.cli_stacks import (add_async_parser, add_cluster_parser, add_prefix_parser, add_router_parser,
-                                   add_split_parser)
+from benchmarks.cli_stacks import (add_async_parser, add_chaos_parser, add_cluster_parser, add_prefix_parser,
+                                   add_router_parser, add_split_parser)
 
 
 def add_bench_parser(sub) -> None:
@@ -54,6 +55,7 @@ def add_bench_parser(sub) -> None:
     add_prefix_parser(bench)
     add_split_parser(bench)
     add_async_parser(bench)
+    add_chaos_parser(bench)
     add_cluster_parser(bench)
     add_router_parser(bench)
     add_moe_parser(bench)

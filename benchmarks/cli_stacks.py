@@ -51,6 +51,31 @@ def run_async(args) -> int:
     return 0
 
 
+def add_chaos_parser(bench) -> None:
+    parser = bench.add_parser("chaos", help="faults injected into `ferry up` under streaming load: requests lost, "
+                                            "hung or answered differently, and the time to recover, per fault")
+    add_model_args(parser)
+    parser.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--stop-seconds", type=float, default=10.0, help="how long a scheduler stays SIGSTOPped")
+    parser.add_argument("--redis-down-seconds", type=float, default=30.0, help="how long Redis stays SIGSTOPped")
+    parser.add_argument("--only", default="", help="comma list of scenario names to run (default: all)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    # float32: each answer is the same whatever batch it shares, so a resumed stream can be checked token for token
+    parser.set_defaults(handler=run_chaos, dtype="float32")
+
+
+def run_chaos(args) -> int:
+    from benchmarks import chaos
+
+    faults = chaos.scenarios(args.stop_seconds, args.redis_down_seconds)
+    if args.only:
+        faults = [f for f in faults if f.name in args.only.split(",")]
+    rows = chaos.run(model_dir(args), faults, args.clients, args.max_tokens, up_flags=("--dtype", args.dtype))
+    report(args, {"machine": machine(), "clients": args.clients, "max_tokens": args.max_tokens, "scenarios": rows})
+    return 0 if all(r["done"] == r["requests"] and not r["wrong"] for r in rows) else 1
+
+
 def add_cluster_parser(bench) -> None:
     cluster = bench.add_parser("cluster", help="issue 18: routing policies on a simulated cluster of N real "
                                                "schedulers (discrete-event clock, step cost model, no workers)")

@@ -11,10 +11,13 @@ import threading
 import time
 from collections import deque
 
+import grpc
+
 from ferry.launcher import free_port
 
 READY_TIMEOUT_S = 600.0
 READY = re.compile(r"^\[ferry\] ready: router gRPC (\S+) .*· redis (\S+) · schedulers (.+?) · model ")
+STARTED = re.compile(r"^\[ferry\] started (redis-server|router|scheduler \d+).* \(pid (\d+)\)")
 
 
 class ServedStack:
@@ -34,11 +37,16 @@ class ServedStack:
         self.router = ""
         self.redis_url = ""
         self.schedulers: list[str] = []
+        self.pids: dict[str, int] = {}      # "redis-server", "router", "scheduler 0", ...: the latest started
+        self.channels: dict[str, grpc.Channel] = {}
         threading.Thread(target=self.read_output, daemon=True).start()
 
     def read_output(self) -> None:
         for line in self.process.stdout:    # drained to the end, or the stack would block on a full pipe
             self.output.append(line.rstrip())
+            started = STARTED.match(line)
+            if started:
+                self.pids[started.group(1)] = int(started.group(2))
             match = READY.match(line)
             if match:
                 self.router, self.redis_url = match.group(1), match.group(2)
@@ -52,7 +60,19 @@ class ServedStack:
                 raise RuntimeError("ferry up did not get ready:\n" + "\n".join(self.output))
         wait_registered(self.redis_url, self.redis_password, num_schedulers)
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """To the router."""
+        return self.channel_to(self.router)
+
+    def channel_to(self, address: str) -> grpc.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.insecure_channel(address)
+        return self.channels[address]
+
     def stop(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)   # ferry up stops its own stack
             try:

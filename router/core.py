@@ -16,17 +16,18 @@ import grpc
 from opentelemetry.context import Context
 
 from base.errors import StatusError
-from base.prompt_checks import check_fits_context, check_token_ids
+from base.prompt_checks import check_fits_context, check_logit_bias_ids, check_token_ids
 from base.sampling_params import SamplingParams
 from protos import router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo
-from router.chat_messages import chat_template_inputs
+from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLimiter, OverLimit
 from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished
+from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
 from router.stream_state import SampleState, StreamState
 from router.tokenizer import RouterTokenizer, load_tokenizer
@@ -34,21 +35,24 @@ from router.upstream import SchedulerConnection, UpstreamError
 
 
 class RequestError(StatusError):
-    """Why the router refused or failed a request; `retry_after`: seconds, for RESOURCE_EXHAUSTED (0: the default)."""
+    """Why the router refused or failed a request; `retry_after`: seconds, for RESOURCE_EXHAUSTED (0: the default);
+    `param`: the request field at fault, where one is."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: int = 0):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: int = 0, param: str | None = None):
         super().__init__(code, message)
-        self.retry_after = retry_after
+        self.retry_after, self.param = retry_after, param
 
 
 @dataclass
 class AttemptLog:
-    """One request's attempts so far: how many schedulers failed it and with what, how many were full."""
+    """One request's attempts so far: how many schedulers failed it and with what, how many were full, and
+    whether any response has reached the client."""
     failures: int = 0
     error: UpstreamError | None = None
     failed_target: SchedulerInfo | None = None
     retry_pending: bool = False
     full: int = 0
+    sent: bool = False
 
     def failed(self, target: SchedulerInfo, error: UpstreamError) -> None:
         self.failures, self.error, self.failed_target, self.retry_pending = self.failures + 1, error, target, True
@@ -110,8 +114,9 @@ class Router:
         """Validate, tokenize and rank the schedulers; the request's responses from the one that takes it."""
         params = parse_sampling(request)
         candidates = self.candidates(request.model)
+        num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
-        prompt_ids = prompt_token_ids(request, tokenizer)
+        prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
         check_prompt(prompt_ids, params, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
         request_id = request.request_id or uuid.uuid4().hex
@@ -156,20 +161,23 @@ class Router:
                     new_state: Callable[[], StreamState], observed: RequestObservation,
                     hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream from the first scheduler that takes the request. A full one is skipped for the next; one that
-        fails it (UNAVAILABLE, or its stream breaks) before any token reached the client is retried on the next,
-        within the retry limits; after that the failure is the client's."""
-        log = AttemptLog()
+        fails it (UNAVAILABLE, or its stream breaks) is tried again on the next, within the retry limits: from the
+        start while no response reached the client, else (one sample) resumed after the tokens the client has, so
+        that it sees one stream; after that the failure is the client's."""
+        log, state = AttemptLog(), new_state()
         for target in targets:
             if log.retry_pending:
-                self.allow_retry(log, observed)
-            sent, started_at = False, self.retries.clock()
+                self.allow_retry(log, observed, resuming=log.sent)
+            started_at = self.retries.clock()
+            request = resumed_request(upstream, state) if log.sent else upstream
             try:
-                async with contextlib.aclosing(self.attempt(target, upstream, new_state(), observed, hold)) as attempt:
+                async with contextlib.aclosing(self.attempt(target, request, state, observed, hold)) as attempt:
                     async for response in attempt:
-                        sent = True
+                        log.sent = True
                         yield response
             except UpstreamError as e:
-                self.on_attempt_failed(target, e, started_at, sent, log, observed)
+                self.on_attempt_failed(target, e, started_at, log, observed, state.resumable)
+                state = state if log.sent else new_state()   # what a held attempt received is dropped
                 continue
             self.retries.on_success(target.scheduler_id)
             if log.failures:
@@ -201,10 +209,10 @@ class Router:
         for response in held:
             yield response
 
-    def on_attempt_failed(self, target: SchedulerInfo, error: UpstreamError, started_at: float, sent: bool,
-                          log: AttemptLog, observed: RequestObservation) -> None:
+    def on_attempt_failed(self, target: SchedulerInfo, error: UpstreamError, started_at: float, log: AttemptLog,
+                          observed: RequestObservation, resumable: bool) -> None:
         """Note a failed attempt for the next one, or raise the request's final error."""
-        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not sent:
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and (resumable or not log.sent):
             log.full += 1
             return
         if error.code != grpc.StatusCode.UNAVAILABLE:
@@ -213,18 +221,21 @@ class Router:
             observed.breaker_opened(target.scheduler_id)
         if error.connection_lost:
             self.directory.forget(target.scheduler_id)
-        if sent:   # tokens reached the client: a retry would be a second answer
+        if log.sent and not resumable:   # tokens of several samples reached the client: a retry would answer twice
             observed.not_retried("streamed")
             raise RequestError(error.code, error.message or error.code.name) from error
         log.failed(target, error)
 
-    def allow_retry(self, log: AttemptLog, observed: RequestObservation) -> None:
+    def allow_retry(self, log: AttemptLog, observed: RequestObservation, resuming: bool) -> None:
         denied = self.retries.retry_denied(log.failures)
         if denied is not None:
             observed.not_retried(denied.label)
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{log.reason} (not retried: {denied.reason})")
         log.retry_pending = False
-        observed.retried(log.failed_target, log.reason)
+        if resuming:
+            observed.resumed(log.failed_target, log.reason)
+        else:
+            observed.retried(log.failed_target, log.reason)
 
     @staticmethod
     def exhausted(log: AttemptLog, observed: RequestObservation) -> RequestError:
@@ -238,6 +249,16 @@ class Router:
         return RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
 
 
+def resumed_request(upstream: scheduler_pb2.ScheduleRequest, state: StreamState) -> scheduler_pb2.ScheduleRequest:
+    """The request for a scheduler that goes on after the tokens the client has (its prompt logprobs, if asked
+    for, went with the first of them)."""
+    request = scheduler_pb2.ScheduleRequest()
+    request.CopyFrom(upstream)
+    request.resumed_token_ids.extend(state.samples[0].detokenizer.token_ids)
+    request.sampling.ClearField("prompt_logprobs")
+    return request
+
+
 def tokens_charged(response: router_pb2.GenerateResponse) -> int:
     """What a response costs its key: its completion tokens, and the prompt with the last response (the usage)."""
     return len(response.token_ids) + (response.usage.prompt_tokens if response.HasField("usage") else 0)
@@ -248,6 +269,26 @@ def parse_sampling(request: router_pb2.GenerateRequest) -> SamplingParams:
         return SamplingParams.from_proto(request.sampling)
     except (ValueError, TypeError) as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+
+
+def prompt_size(request: router_pb2.GenerateRequest) -> tuple[str, int]:
+    """The prompt's field, as the APIs name it, and its length in characters (token ids: 0, counted as tokens)."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return "prompt", len(request.text)
+    if kind == "chat":
+        return "messages", chat_chars(request.chat)
+    return "prompt", 0
+
+
+def check_prompt_length(request: router_pb2.GenerateRequest, max_model_len: int) -> int:
+    """The prompt's length in characters; RequestError naming its field if that many cannot fit the context."""
+    field, num_chars = prompt_size(request)
+    try:
+        check_prompt_chars(field, num_chars, max_model_len)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e), param=field) from e
+    return num_chars
 
 
 def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
@@ -269,7 +310,8 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:
-    """The prompt against the model's vocabulary and context, where the scheduler told them (0: not told)."""
+    """The prompt and logit_bias against the model's vocabulary and context, where the scheduler told them (0: not
+    told)."""
     try:
         if target.vocab_size:
             check_token_ids(prompt_ids, target.vocab_size)
@@ -277,3 +319,8 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, target: Schedule
             check_fits_context(len(prompt_ids), params.max_tokens, target.max_model_len)
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+    try:
+        if target.vocab_size:
+            check_logit_bias_ids(params.logit_bias, target.vocab_size)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e), param="logit_bias") from e

@@ -44,6 +44,8 @@ class RouterMetrics:
         self.generation_tokens = Counter("ferry:generation_tokens", "Tokens streamed to clients.", registry=r)
         self.retries = Counter("ferry:router_retries", "Requests sent again after this scheduler failed them "
                                "before any token reached the client.", ["scheduler_id"], registry=r)
+        self.resumes = Counter("ferry:router_resumes", "Streams continued on another scheduler after this one "
+                               "failed them once their tokens had reached the client.", ["scheduler_id"], registry=r)
         self.failovers = Counter("ferry:router_failovers", "Requests this scheduler completed after another one "
                                  "failed them.", ["scheduler_id"], registry=r)
         self.retries_denied = Counter("ferry:router_retries_denied", "Failed requests not sent again, by why: "
@@ -124,6 +126,11 @@ class RequestObservation:
         self.telemetry.metrics.retries.labels(failed.scheduler_id).inc()
         if self.span is not None:
             self.span.add_event("retry", {"ferry.failed_scheduler": failed.scheduler_id, "ferry.reason": reason})
+
+    def resumed(self, failed: SchedulerInfo, reason: str) -> None:
+        self.telemetry.metrics.resumes.labels(failed.scheduler_id).inc()
+        if self.span is not None:
+            self.span.add_event("resume", {"ferry.failed_scheduler": failed.scheduler_id, "ferry.reason": reason})
 
     def failed_over(self, target: SchedulerInfo) -> None:
         self.telemetry.metrics.failovers.labels(target.scheduler_id).inc()

@@ -24,8 +24,9 @@ Clock = Callable[[], float]
 @dataclass(frozen=True)
 class RetryOptions:
     max_attempts: int = 3            # schedulers a request may fail on (UNAVAILABLE) before its error is final
-    budget_rate: float = 10.0        # retries per second the global bucket refills
-    budget_burst: float = 50.0       # retries the bucket holds
+    budget_rate: float = 100.0       # retries per second the global bucket refills
+    budget_burst: float = 1024.0     # retries the bucket holds: all that one dead scheduler held (256 running + 512
+    #                                  queued by default) can be retried at once
     breaker_failures: int = 3        # failure incidents in a row that open a scheduler's breaker
     breaker_cooldown: float = 10.0   # seconds an open breaker keeps its scheduler skipped
 

@@ -31,6 +31,11 @@ class StreamState:
     def done(self) -> bool:
         return self.num_finished == len(self.samples)
 
+    @property
+    def resumable(self) -> bool:
+        """Another scheduler can go on from the tokens received (router.core.resumed_request): one sample."""
+        return len(self.samples) == 1 and not self.done
+
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
                                 completion_tokens=sum(s.num_tokens for s in self.samples),
@@ -40,7 +45,8 @@ class StreamState:
         sample = self.samples[upstream.index]
         if sample.finished:   # already ended by a stop string
             return None
-        self.num_cached_tokens = max(self.num_cached_tokens, upstream.num_cached_tokens)
+        # min: a resumed attempt's cache hits may reach into the tokens it resumed after
+        self.num_cached_tokens = max(self.num_cached_tokens, min(upstream.num_cached_tokens, self.num_prompt_tokens))
         finish = upstream.finish_reason
         token_ids = upstream.token_ids[:]   # a list: slicing copies faster than list()
         delta, used = sample.detokenizer.add_until_stop(token_ids, final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)

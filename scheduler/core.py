@@ -23,7 +23,7 @@ from base.sampling_params import SamplingParams
 from protos import scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
-from scheduler.request_checks import check_new_request
+from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
 from scheduler.stats import stats_response
@@ -78,11 +78,16 @@ class Scheduler:
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
 
     # --- requests ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resumed_token_ids: list[int] = ()) -> None:
+        """resumed_token_ids: tokens a scheduler that died had generated for this request: it goes on after them
+        as a preempted sequence would (they count towards max_tokens and penalties, and seeded sampling depends
+        only on the position), so the continuation is the one that scheduler would have produced."""
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
                           self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
+        check_resumed(resumed_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params)
-        first = self.new_sequence(request, 0, list(prompt_token_ids))
+        first = self.new_sequence(request, 0, [*prompt_token_ids, *resumed_token_ids])
         request.seqs.append(first)
         request.forked = params.n == 1
         self.requests[request_id] = request
@@ -157,7 +162,7 @@ class Scheduler:
         compiled, failed = self.structured.collect()
         for seq in [s for s in self.compiling if s.request_id in compiled]:
             self.compiling.remove(seq)
-            self.structured.add_sequence(seq.request_id, seq.seq_id)
+            self.structured.add_sequence(seq.request_id, seq.seq_id, seq.output_token_ids)   # resumed ones
             self.waiting.append(seq)
         for request_id, reason in failed:
             self.abort_request(request_id)

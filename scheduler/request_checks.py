@@ -8,6 +8,16 @@ from base.sampling_params import SamplingParams
 from scheduler.block_manager import BlockManager
 
 
+def check_resumed(resumed_token_ids: list[int], params: SamplingParams) -> None:
+    if not resumed_token_ids:
+        return
+    if params.n != 1:
+        raise ValueError("resumed_token_ids needs n = 1: each of n samples would need its own")
+    if len(resumed_token_ids) >= params.max_tokens:
+        raise ValueError(f"resumed_token_ids ({len(resumed_token_ids)}) leave nothing of max_tokens "
+                         f"({params.max_tokens}) to generate")
+
+
 def check_new_request(request_id: str, prompt: list[int], params: SamplingParams, ids_in_use: Container[str],
                       max_model_len: int, vocab_size: int, max_num_seqs: int, max_step_tokens: int,
                       block_manager: BlockManager) -> None:

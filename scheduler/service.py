@@ -11,6 +11,7 @@ import grpc
 from opentelemetry.context import Context
 
 from base.errors import StatusError
+from base.grpc_options import MAX_MESSAGE_BYTES
 from base.sampling_params import SamplingParams
 from base.telemetry import extract_metadata
 from protos import scheduler_pb2, scheduler_pb2_grpc
@@ -48,7 +49,8 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
           trace_parent: Context | None) -> RequestStream:
     try:
         params = SamplingParams.from_proto(request.sampling)
-        return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent)
+        return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent,
+                                list(request.resumed_token_ids))
     except ValueError as e:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
     except QueueFull as e:
@@ -58,14 +60,19 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
 
 
 CLIENT_DONE = object()   # queued on a connection when its client sent its last message
+# a message of merged outputs ends once it holds this much: the rest go in the next (router and scheduler agree on
+# MAX_MESSAGE_BYTES; half of it leaves room for one output past the mark)
+SPLIT_MESSAGE_BYTES = MAX_MESSAGE_BYTES // 2
 
 
 class Connection:
     """The requests of one Connect stream. Their outputs share one queue, so everything the loop delivered in a
-    step (and whatever piled up while the last message was being written) goes out as one ConnectResponse."""
+    step (and whatever piled up while the last message was being written) goes out as one ConnectResponse, or as
+    several where one would pass split_bytes."""
 
-    def __init__(self, loop: EngineLoop):
+    def __init__(self, loop: EngineLoop, split_bytes: int = SPLIT_MESSAGE_BYTES):
         self.loop = loop
+        self.split_bytes = split_bytes
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.live: dict[str, RequestStream] = {}
         self.client_done = False
@@ -108,8 +115,11 @@ class Connection:
     async def next_message(self) -> scheduler_pb2.ConnectResponse:
         message = scheduler_pb2.ConnectResponse()
         self.add_events(message, *await self.outputs.get())
-        while not self.outputs.empty():
+        size = message.ByteSize()
+        while not self.outputs.empty() and size < self.split_bytes:
+            num_events = len(message.events)
             self.add_events(message, *self.outputs.get_nowait())
+            size += sum(event.ByteSize() for event in message.events[num_events:])
         return message
 
     def add_events(self, message: scheduler_pb2.ConnectResponse, stream: RequestStream | None, item) -> None:

@@ -123,6 +123,25 @@ def test_seeded_sampling_repeats_and_parallel_samples_share_the_prompt(tiny_llam
     assert engine.stats().num_free_blocks == engine.info.num_blocks
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.5,
+                   repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, max_tokens=24, seed=11, ignore_eos=True, frequency_penalty=0.8, min_tokens=20),
+], ids=["greedy-penalties", "seeded-min-tokens"])
+def test_a_request_resumed_after_its_first_tokens_goes_on_with_the_same_ones(tiny_llama_dir, params):
+    """What a scheduler that takes over a dead one's stream does: the tokens already sent count as generated
+    (penalties, max_tokens, min_tokens, the seeded position), so the rest is what the first one would have sent."""
+    engine = tiny_engine(tiny_llama_dir)
+    prompt = list(range(3, 40))
+    whole = engine.generate([prompt], params)[0].token_ids
+    engine.scheduler.add_request("resumed", prompt, params, resumed_token_ids=whole[:9])
+    rest = []
+    while engine.has_unfinished_requests():
+        rest += [t for out in engine.step() for t in out.new_token_ids]
+    assert whole[:9] + rest == whole and len(rest) == params.max_tokens - 9
+    assert engine.stats().num_free_blocks == engine.info.num_blocks
+
+
 def test_stop_token_ids_and_eos_end_a_sequence(tiny_llama_dir, prompts, reference):
     engine = tiny_engine(tiny_llama_dir)
     stop_at = reference[0][3]

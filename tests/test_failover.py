@@ -1,5 +1,6 @@
-"""A crashed worker loses no request that another scheduler could have served: real schedulers, workers, Redis and
-router; workers SIGKILLed mid-run, or killed by a poisoned request (gpu_worker/fault.py)."""
+"""A crashed worker or scheduler loses no request that another scheduler could have served, and cuts no stream:
+real schedulers, workers, Redis and router; workers and schedulers SIGKILLed mid-run, or workers killed by a
+poisoned request (gpu_worker/fault.py)."""
 from __future__ import annotations
 
 import json
@@ -15,16 +16,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ferry.launcher import free_port
 from base.sampling_params import SamplingParams
+from ferry.launcher import free_port
 from gpu_worker.fault import CRASH_ON_TOKEN_ENV
-from protos import router_pb2
+from protos import common_pb2, router_pb2
 from router.tokenizer import load_tokenizer
 from tests.services_fixtures import ServiceStack, child_pids, greedy, start_services, wait_until
 
 PROMPTS = [f"Failover prompt {i}: a crashed worker loses nothing" for i in range(6)]
-MAX_TOKENS = 48
+MAX_TOKENS = 64                           # long enough that a kill finds streams mid-way
 KINDS = ("grpc", "sse", "http")          # streamed over gRPC, streamed over HTTP (SSE), held to the end (HTTP)
+SEED = 1234                               # the "seeded" kind: sampled at temperature 1 with this seed, over gRPC
 POISON = 300                              # a token id the fault-injected workers die on
 
 
@@ -76,10 +78,12 @@ class Outcome:
     seconds: float = 0.0
 
 
-def run_grpc(cluster: Cluster, prompt: int, max_tokens: int) -> Outcome:
-    outcome = Outcome("grpc", prompt, False)
-    call = cluster.services.router().Generate(router_pb2.GenerateRequest(
-        text=PROMPTS[prompt], sampling=greedy(max_tokens, ignore_eos=True)), timeout=120)
+def run_grpc(cluster: Cluster, prompt: int, max_tokens: int, seed: int | None = None) -> Outcome:
+    outcome = Outcome("grpc" if seed is None else "seeded", prompt, False)
+    sampling = (greedy(max_tokens, ignore_eos=True) if seed is None else
+                common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True))
+    call = cluster.services.router().Generate(router_pb2.GenerateRequest(text=PROMPTS[prompt], sampling=sampling),
+                                              timeout=120)
     try:
         for message in call:
             outcome.token_ids += message.token_ids
@@ -127,7 +131,8 @@ def run_http(cluster: Cluster, prompt: int | list[int], max_tokens: int) -> Outc
     return outcome
 
 
-RUNNERS = {"grpc": run_grpc, "sse": run_sse, "http": run_http}
+RUNNERS = {"grpc": run_grpc, "sse": run_sse, "http": run_http,
+           "seeded": lambda cluster, prompt, max_tokens: run_grpc(cluster, prompt, max_tokens, SEED)}
 
 
 def timed(run, *args) -> Outcome:
@@ -150,6 +155,18 @@ def expected(tiny_llama_dir) -> tuple[list[list[int]], list[str]]:
     return token_ids, [tokenizer.decode(ids) for ids in token_ids]
 
 
+@pytest.fixture(scope="module")
+def expected_seeded(tiny_llama_dir) -> list[list[int]]:
+    """The engine's tokens for each prompt sampled with SEED: a seeded draw depends only on the seed and the
+    position, so any scheduler, batch or resumption gives these."""
+    from base.config import EngineConfig
+    from ferry.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(PROMPTS, params)]
+
+
 def busy(cluster: Cluster, index: int) -> bool:
     stats = cluster.services.scheduler_stats(cluster.services.scheduler_addresses[index])
     return stats.num_running >= 2 and stats.num_waiting >= 1
@@ -165,9 +182,9 @@ def busy_mid_stream(cluster: Cluster, index: int, longest_prompt: int) -> bool:
     return stats.num_running >= 2 and stats.num_waiting >= 1 and started <= stats.running_tokens <= far_from_done
 
 
-def steady_stream(cluster: Cluster, count: int, find_victim, kill) -> list[Outcome]:
-    """count requests of every kind, 12 at a time; kill(victim) runs once, as soon as find_victim() names one."""
-    cases = [(KINDS[i % len(KINDS)], i % len(PROMPTS)) for i in range(count)]
+def steady_stream(cluster: Cluster, count: int, find_victim, kill, kinds: tuple[str, ...] = KINDS) -> list[Outcome]:
+    """count requests of the kinds, 12 at a time; kill(victim) runs once, as soon as find_victim() names one."""
+    cases = [(kinds[i % len(kinds)], i % len(PROMPTS)) for i in range(count)]
     killed = threading.Event()
 
     def watch() -> None:   # polled often: the moment a victim qualifies lasts a few steps of a tiny model
@@ -203,21 +220,51 @@ def test_killed_worker_loses_no_request_another_scheduler_could_serve(tiny_llama
             victims.append(index)
             os.kill(workers[index], signal.SIGKILL)
         outcomes = steady_stream(cluster, 96, find_victim, kill)
-        for o in outcomes:
-            if o.ok:        # exactly the engine's answer, once: no token lost, repeated or from two attempts
-                assert o.text == expected_text[o.prompt] and o.num_tokens == MAX_TOKENS, o
-                assert o.kind != "grpc" or o.token_ids == expected_ids[o.prompt], o
-            else:           # only a stream whose tokens had started may fail, and it says why
-                assert o.kind != "http", o
-                assert o.num_tokens > 0 and expected_text[o.prompt].startswith(o.text), o
-                assert "worker step failed" in o.error and o.status in ("UNAVAILABLE", "200"), o
-        print("failover outcomes:", sorted((o.kind, o.ok) for o in outcomes))
-        assert any(not o.ok for o in outcomes), "no stream was cut mid-way: the kill came too late"
-        retries = cluster.metric("ferry:router_retries_total")
-        assert retries >= 1 and cluster.metric("ferry:router_failovers_total") == retries
+        check_every_answer_whole(outcomes, expected)
+        resumes, retries = cluster.metric("ferry:router_resumes_total"), cluster.metric("ferry:router_retries_total")
+        assert resumes >= 1, "no stream was cut mid-way: the kill came too late"
+        assert retries >= 1 and cluster.metric("ferry:router_failovers_total") == retries + resumes
         assert cluster.metric("ferry:request_success_total") == sum(o.ok for o in outcomes)
         wait_until(cluster.services.idle, "KV back to 0 on both schedulers", timeout=30)
         assert cluster.worker_of(victims[0]) != workers[victims[0]]
+    finally:
+        cluster.stop()
+
+
+def check_every_answer_whole(outcomes: list[Outcome], expected, expected_seeded=None) -> None:
+    """Exactly the engine's answer, once: no token lost, repeated, or from two attempts, though some streams
+    were cut mid-way and resumed elsewhere."""
+    expected_ids, expected_text = expected
+    for o in outcomes:
+        assert o.ok, o
+        if o.kind == "seeded":
+            assert o.token_ids == expected_seeded[o.prompt], o
+        else:
+            assert o.text == expected_text[o.prompt] and o.num_tokens == MAX_TOKENS, o
+            assert o.kind != "grpc" or o.token_ids == expected_ids[o.prompt], o
+
+
+def test_streams_of_a_killed_scheduler_resume_on_another_token_for_token(tiny_llama_dir, expected, expected_seeded):
+    cluster = start_cluster(tiny_llama_dir, 2, **{"--max-num-seqs": "3"})
+    try:
+        longest_prompt = max(len(load_tokenizer(str(tiny_llama_dir)).encode(p)) for p in PROMPTS)
+        victims = []
+
+        def find_victim() -> int | None:
+            return next((i for i in (0, 1) if busy_mid_stream(cluster, i, longest_prompt)), None)
+
+        def kill(index: int) -> None:
+            victims.append(index)
+            os.kill(cluster.services.schedulers[index].pid, signal.SIGKILL)
+        outcomes = steady_stream(cluster, 48, find_victim, kill, kinds=("grpc", "seeded", "sse"))
+        check_every_answer_whole(outcomes, expected, expected_seeded)
+        assert cluster.metric("ferry:router_resumes_total") >= 1, "no stream was cut mid-way: the kill came too late"
+        survivor = cluster.services.scheduler_addresses[1 - victims[0]]
+
+        def survivor_idle() -> bool:
+            stats = cluster.services.scheduler_stats(survivor)
+            return not (stats.num_running or stats.num_waiting) and stats.num_free_blocks == stats.num_blocks
+        wait_until(survivor_idle, "KV back to 0 on the surviving scheduler", timeout=30)
     finally:
         cluster.stop()
 

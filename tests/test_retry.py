@@ -122,6 +122,7 @@ class ScriptedRequest:
     """Yields `tokens` one message each, then fails with `error` (or finishes)."""
     tokens: list[int]
     error: UpstreamError | None
+    request: scheduler_pb2.ScheduleRequest
     closed: bool = False
 
     async def __aiter__(self):
@@ -143,7 +144,8 @@ class ScriptedConnection:
     submitted: list[ScriptedRequest] = field(default_factory=list)
 
     def submit(self, request, trace_context) -> ScriptedRequest:
-        self.submitted.append(ScriptedRequest(self.tokens, self.error))
+        """A resumed request gets the tokens after those it resumes from."""
+        self.submitted.append(ScriptedRequest(self.tokens[len(request.resumed_token_ids):], self.error, request))
         return self.submitted[-1]
 
 
@@ -164,15 +166,18 @@ def scripted_router(options: RetryOptions, *connections: ScriptedConnection,
     return router, targets
 
 
-def new_state() -> StreamState:
-    return StreamState("r", 3, [SampleState(IncrementalDetokenizer(lambda ids: "".join(f"<{i}>" for i in ids)))])
+def new_state(num_samples: int = 1) -> StreamState:
+    return StreamState("r", 3, [SampleState(IncrementalDetokenizer(lambda ids: "".join(f"<{i}>" for i in ids)))
+                                for _ in range(num_samples)])
 
 
-async def run(router: Router, targets: list[SchedulerInfo], hold: bool) -> tuple[list[int], RequestError | None]:
+async def run(router: Router, targets: list[SchedulerInfo], hold: bool,
+              num_samples: int = 1) -> tuple[list[int], RequestError | None]:
     received: list[int] = []
     observed = router.telemetry.start(None)
+    request = scheduler_pb2.ScheduleRequest(sampling=common_pb2.SamplingParams(n=num_samples, prompt_logprobs=1))
     try:
-        async for response in router.proxy(targets, scheduler_pb2.ScheduleRequest(), new_state, observed, hold):
+        async for response in router.proxy(targets, request, lambda: new_state(num_samples), observed, hold):
             received += response.token_ids
     except RequestError as e:
         return received, e
@@ -198,10 +203,28 @@ def test_held_request_is_retried_after_tokens_and_answers_only_the_retry():
     assert asyncio.run(run(router, targets, hold=True)) == (TOKENS, None)
 
 
-def test_streamed_request_that_sent_a_token_is_not_retried():
+def test_streamed_request_that_sent_tokens_is_resumed_after_them_as_one_stream():
     failing, alive = ScriptedConnection(TOKENS[:2], UNAVAILABLE), ScriptedConnection(TOKENS)
     router, targets = scripted_router(RetryOptions(), failing, alive)
-    received, error = asyncio.run(run(router, targets, hold=False))
+    assert asyncio.run(run(router, targets, hold=False)) == (TOKENS, None)   # nothing repeated, nothing lost
+    resumed = alive.submitted[0].request
+    assert resumed.resumed_token_ids == TOKENS[:2] and not resumed.sampling.HasField("prompt_logprobs")
+    assert sample(router, "ferry:router_resumes_total", scheduler_id="s0") == 1
+    assert sample(router, "ferry:router_retries_total", scheduler_id="s0") == 0
+
+
+def test_a_resumed_stream_that_fails_again_is_resumed_after_all_the_tokens_sent():
+    connections = [ScriptedConnection(TOKENS[:1], UNAVAILABLE), ScriptedConnection(TOKENS[:3], UNAVAILABLE),
+                   ScriptedConnection(TOKENS)]
+    router, targets = scripted_router(RetryOptions(), *connections)
+    assert asyncio.run(run(router, targets, hold=False)) == (TOKENS, None)
+    assert [list(c.submitted[0].request.resumed_token_ids) for c in connections] == [[], TOKENS[:1], TOKENS[:3]]
+
+
+def test_streamed_request_of_several_samples_is_not_resumed():
+    failing, alive = ScriptedConnection(TOKENS[:2], UNAVAILABLE), ScriptedConnection(TOKENS)
+    router, targets = scripted_router(RetryOptions(), failing, alive)
+    received, error = asyncio.run(run(router, targets, hold=False, num_samples=2))
     assert received == TOKENS[:2] and error.code == grpc.StatusCode.UNAVAILABLE and "worker step" in error.message
     assert not alive.submitted
     assert sample(router, "ferry:router_retries_denied_total", reason="streamed") == 1

@@ -115,3 +115,31 @@ def test_a_request_id_live_on_a_connect_stream_cannot_be_submitted_again(service
     stream.read_until(lambda: stream.finished["twice"])
     assert len(stream.tokens("twice")) == 200
     stream.cancel()
+
+
+def test_outputs_piled_up_past_the_split_size_go_out_in_several_messages_in_order():
+    """A step's outputs are merged into one message only up to a size both ends accept: the prompt logprobs of
+    long prompts, or a slow reader's backlog, go out in several messages rather than one too big to receive."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from protos import common_pb2
+    from scheduler.core import RequestOutput
+    from scheduler.engine_loop import RequestStream
+    from scheduler.service import Connection
+
+    async def messages() -> list[scheduler_pb2.ConnectResponse]:
+        connection = Connection(SimpleNamespace(streams={}), split_bytes=4096)
+        logprobs = [common_pb2.TokenLogprob(token_id=t, logprob=-1.5) for t in range(200)]   # ~2 KB an output
+        for i in range(8):
+            stream = RequestStream(f"r{i}", 1, connection.outputs)
+            connection.live[stream.request_id] = stream
+            stream.put(RequestOutput(stream.request_id, 0, [i], prompt_logprobs=logprobs, finish_reason="length"))
+        sent = []
+        while not connection.outputs.empty():
+            sent.append(await connection.next_message())
+        return sent
+
+    sent = asyncio.run(messages())
+    assert len(sent) > 1 and all(m.ByteSize() < 2 * 4096 for m in sent)
+    assert [e.request_id for m in sent for e in m.events] == [f"r{i}" for i in range(8)]
