@@ -3,7 +3,8 @@
 Each iteration: schedule → worker.Step (its own process, scheduler/worker_process.py) → update → every
 RequestOutput goes to its request's stream at once. The next step is sent before the streams are served, so
 the worker never waits for them; with async scheduling (the default) it is sent even before the running step's
-result is in (scheduler/core.py says how). A failed worker fails the requests in flight and is restarted.
+result is in (scheduler/core.py says how). A failed worker is replaced, and its requests go on with the new one
+(scheduler/crash_triage.py: a request that crashes every worker is found and failed alone).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from protos import scheduler_pb2, worker_pb2
 from scheduler.admission import AdmissionLimits
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
+from scheduler.crash_triage import CrashTriage, Rejoining
 from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
 from scheduler.worker_process import WorkerFailed, WorkerProcess
 
@@ -70,6 +72,9 @@ class EngineLoop:
         self.failure: str | None = None
         self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
         self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
+        self.triage = CrashTriage()
+        self.restarting = False
+        self.arrived: list[Rejoining] = []   # requests taken while the worker restarts
         metrics = SchedulerMetrics(self.load, info.model_name, dict(info.device_info))
         self.telemetry = SchedulerTelemetry(metrics, tracing)
 
@@ -85,14 +90,17 @@ class EngineLoop:
         """resumed_token_ids: what another scheduler generated for it before it died (Scheduler.add_request)."""
         if self.draining:
             raise Draining("the scheduler is shutting down")
-        if self.failure:
+        if self.failure and not self.restarting:
             raise WorkerFailed(self.failure)
         check_token_ids(prompt_token_ids, self.info.vocab_size)
         if resumed_token_ids:
             check_token_ids(resumed_token_ids, self.info.vocab_size)
         self.limits.check(self.scheduler, len(prompt_token_ids))
-        self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [])
-        self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
+        if self.restarting:   # taken, and handed to the new worker with those the old one had
+            self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or []))
+        else:
+            self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [])
+            self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = RequestStream(request_id, params.n, outputs)
         self.streams[request_id] = stream
@@ -103,22 +111,82 @@ class EngineLoop:
         """Drop the request: its blocks are freed now, and nothing more is delivered for it."""
         self.streams.pop(request_id, None)
         self.telemetry.on_abort(request_id)
+        self.triage.drop(request_id)
         self.scheduler.abort_request(request_id)
         self.on_kv_events(*self.scheduler.drain_kv_events())    # a prompt announced, never computed, withdrawn
 
     async def run(self) -> None:
-        """Step until cancelled; a failed worker fails the in-flight requests and is restarted once per failure."""
+        """Step until cancelled; a failed worker is replaced and its requests rejoin the new one."""
         while True:
+            suspects, live = set(), []
             try:
                 await self.run_steps()
             except WorkerFailed as e:
-                self.fail_everything(str(e))
+                self.failure = str(e)
+                suspects, live = self.in_flight_requests(), self.rejoining(str(e))
+                log.error("%s; %d requests go on with a new worker, %d of them suspects", e, len(live), len(suspects))
+            self.restarting = True
             try:
                 await self.restart_worker()
             except (WorkerFailed, grpc.aio.AioRpcError) as e:
                 self.failure = f"worker could not be restarted: {e}"
                 log.error(self.failure)
+                self.fail_streams(self.failure)
                 return
+            finally:
+                self.restarting = False
+            arrived, self.arrived = self.arrived, []
+            self.rejoin(live + arrived, suspects)
+
+    def in_flight_requests(self) -> set[str]:
+        return {chunk.seq.request_id for chunks in self.scheduler.in_flight.values() for chunk in chunks}
+
+    def rejoining(self, reason: str) -> list[Rejoining]:
+        """The live requests as the new worker will take them; those of n > 1 samples (which cannot be resumed)
+        fail with UNAVAILABLE, for the router to retry."""
+        live = []
+        for request_id, stream in list(self.streams.items()):
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue   # held since an earlier crash (CrashTriage.held)
+            if request.params.n > 1:
+                self.fail_stream(request_id, WorkerFailed(reason))
+            else:
+                live.append(Rejoining(request_id, request.prompt_token_ids, request.params,
+                                      request.seqs[0].output_token_ids))
+        return live
+
+    def rejoin(self, live: list[Rejoining], suspects: set[str]) -> None:
+        admitted, culprit = self.triage.split(live, suspects)
+        if culprit is not None:
+            log.error("request %s crashed the worker: failed alone", culprit.request_id)
+            self.fail_stream(culprit.request_id, StatusError(
+                grpc.StatusCode.INTERNAL, f"the worker crashed running this request ({self.failure}); it was the "
+                "only one in the crashed steps, so it is failed rather than retried"))
+        self.readmit(admitted)
+
+    def readmit(self, rejoining: list[Rejoining]) -> None:
+        if not rejoining:
+            return
+        for request in rejoining:
+            if request.request_id not in self.streams:   # aborted while it waited
+                continue
+            try:
+                self.scheduler.add_request(request.request_id, request.prompt, request.resumed_params(),
+                                           request.generated)
+            except ValueError as e:
+                self.fail_stream(request.request_id, StatusError(grpc.StatusCode.UNAVAILABLE, str(e)))
+        self.wakeup.set()
+
+    def generated_count(self, request_id: str) -> int | None:
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.seqs[0].num_output_tokens
+
+    def fail_stream(self, request_id: str, error: Exception) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(error)
+        self.telemetry.on_abort(request_id)
 
     async def run_steps(self) -> None:
         """Keep `depth` steps with the worker: with async scheduling two (the next one is scheduled and sent while
@@ -127,6 +195,7 @@ class EngineLoop:
         in_flight: deque[tuple[worker_pb2.StepRequest, asyncio.Future]] = deque()
         try:
             while True:
+                self.readmit(self.triage.release(self.generated_count))
                 self.fill(in_flight, depth)
                 if not in_flight:
                     await self.wait_for_work()
@@ -168,8 +237,10 @@ class EngineLoop:
         return 0.0 if self.waiting_since is None else time.monotonic() - self.waiting_since
 
     async def restart_worker(self) -> None:
-        log.warning("restarting the worker")
         await self.worker.stop()
+        delay = self.triage.restart_delay()
+        log.warning("restarting the worker%s", f" in {delay:g}s (it failed again soon)" if delay else "")
+        await asyncio.sleep(delay)
         self.info = await self.wait_on_worker(self.worker.start(self.config))
         self.last_sent_step_id = 0
         self.forget_cached_blocks()
@@ -200,11 +271,6 @@ class EngineLoop:
         """The old pool's blocks are gone: withdraw them from the prefix index (after its pending events)."""
         self.on_kv_events(*self.scheduler.drain_kv_events())
         self.on_kv_events([], list(self.scheduler.block_manager.cached))
-
-    def fail_everything(self, reason: str) -> None:
-        log.error("%s; failing %d in-flight requests", reason, len(self.streams))
-        self.failure = reason
-        self.fail_streams(reason)
 
     def fail_streams(self, reason: str) -> None:
         for request_id, stream in list(self.streams.items()):

@@ -205,7 +205,7 @@ def steady_stream(cluster: Cluster, count: int, find_victim, kill, kinds: tuple[
     return outcomes
 
 
-def test_killed_worker_loses_no_request_another_scheduler_could_serve(tiny_llama_dir, expected):
+def test_killed_worker_loses_no_request_and_cuts_no_stream(tiny_llama_dir, expected):
     expected_ids, expected_text = expected
     cluster = start_cluster(tiny_llama_dir, 2, **{"--max-num-seqs": "3"})   # queues form; of 3 running, one streams
     try:
@@ -220,10 +220,9 @@ def test_killed_worker_loses_no_request_another_scheduler_could_serve(tiny_llama
             victims.append(index)
             os.kill(workers[index], signal.SIGKILL)
         outcomes = steady_stream(cluster, 96, find_victim, kill)
-        check_every_answer_whole(outcomes, expected)
+        check_every_answer_whole(outcomes, expected)   # those running went on with the new worker, resumed there
         resumes, retries = cluster.metric("ferry:router_resumes_total"), cluster.metric("ferry:router_retries_total")
-        assert resumes >= 1, "no stream was cut mid-way: the kill came too late"
-        assert retries >= 1 and cluster.metric("ferry:router_failovers_total") == retries + resumes
+        assert cluster.metric("ferry:router_failovers_total") == retries + resumes   # refused while it restarted
         assert cluster.metric("ferry:request_success_total") == sum(o.ok for o in outcomes)
         wait_until(cluster.services.idle, "KV back to 0 on both schedulers", timeout=30)
         assert cluster.worker_of(victims[0]) != workers[victims[0]]
@@ -269,61 +268,57 @@ def test_streams_of_a_killed_scheduler_resume_on_another_token_for_token(tiny_ll
         cluster.stop()
 
 
-def test_lone_scheduler_fails_in_flight_requests_promptly_without_retrying(tiny_llama_dir):
+@pytest.fixture(scope="module")
+def expected_long(tiny_llama_dir) -> list[str]:
+    """The router's text of each prompt's LONG greedy tokens."""
+    from base.config import EngineConfig
+    from ferry.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
+    results = engine.generate(PROMPTS, SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True))
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    return [tokenizer.decode(r.token_ids) for r in results]
+
+
+LONG = 400
+
+
+def test_a_lone_schedulers_requests_go_on_with_its_new_worker_when_the_old_one_is_killed(tiny_llama_dir,
+                                                                                       expected_long):
     cluster = start_cluster(tiny_llama_dir, 1, **{"--max-num-seqs": "2"})
     try:
         victim = cluster.worker_of(0)
         with ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(timed, RUNNERS[KINDS[i % 3]], cluster, i, 900) for i in range(6)]
+            futures = [pool.submit(timed, RUNNERS[KINDS[i % 3]], cluster, i, LONG) for i in range(6)]
             wait_until(lambda: busy(cluster, 0), "the scheduler busy", timeout=60)
-            killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
-            outcomes = [f.result(timeout=60) for f in futures]
-        answered_by = time.monotonic() - killed_at
-        assert answered_by < 15, answered_by                # no retry loop, no hang
-        for o in outcomes:   # mid-stream ones with the reason; the others also say they were not retried
-            assert not o.ok and o.status in ("UNAVAILABLE", "503", "200") and "worker step failed" in o.error, o
-            assert o.num_tokens > 0 or "not retried: no other scheduler" in o.error, o
-        assert {o.status for o in outcomes if o.kind == "http"} == {"503"}
-        assert cluster.metric("ferry:router_retries_total") == 0
-        assert cluster.metric("ferry:router_retries_denied_total", reason="no_scheduler") >= 1
+            outcomes = [f.result(timeout=120) for f in futures]
+        for o in outcomes:   # nothing failed, nothing repeated: each resumed from the tokens it had
+            assert o.ok and o.text == expected_long[o.prompt] and o.num_tokens == LONG, o
+        assert cluster.metric("ferry:router_retries_total") == 0 and cluster.metric("ferry:router_resumes_total") == 0
+        assert cluster.worker_of(0) != victim
         wait_until(cluster.services.idle, "KV back to 0", timeout=30)
-        wait_until(lambda: run_http(cluster, 0, 4).ok, "the restarted worker serving again", timeout=60)
     finally:
         cluster.stop()
 
 
-def test_poisoned_request_is_retried_at_most_the_budget_and_breakers_open_and_close(tiny_llama_dir):
-    cluster = start_cluster(tiny_llama_dir, 3, "--retry-max-attempts", "2", "--breaker-failures", "1",
-                            "--breaker-cooldown", "5", scheduler_env={CRASH_ON_TOKEN_ENV: str(POISON)})
+def test_a_query_of_death_fails_alone_on_its_scheduler_and_reaches_no_other(tiny_llama_dir, expected):
+    """It crashes its worker, then (on trial alone) the new one; then it is failed (500, not retried), while the
+    requests streaming beside it on that scheduler go on untouched."""
+    expected_ids, expected_text = expected
+    cluster = start_cluster(tiny_llama_dir, 3, scheduler_env={CRASH_ON_TOKEN_ENV: str(POISON)})
     try:
         workers = [cluster.worker_of(i) for i in range(3)]
-        outcome = run_http(cluster, [10, 11, POISON], 4)
-        assert outcome.status == "503" and "worker step failed" in outcome.error, outcome
-        assert "not retried: 2 attempts" in outcome.error, outcome
-
-        def replaced() -> list[int]:   # a dead worker stays its scheduler's child until reaped: wait for the new one
-            if not all(child_pids(s.pid) for s in cluster.services.schedulers):
-                return []
-            return [i for i in range(3) if cluster.worker_of(i) != workers[i]]
-
-        wait_until(lambda: len(replaced()) >= 2, "the crashed workers replaced")
-        assert len(replaced()) == 2, replaced()             # the first try and one retry, never the third
-        assert cluster.metric("ferry:router_retries_total") == 1
-        states = cluster.breaker_states()
-        assert sorted(states.values()) == [0, 1, 1], states
-        open_ids = [sid for sid, state in states.items() if state == 1]
-        routed_before = {sid: cluster.metric("ferry:router_requests_routed_total", scheduler_id=sid)
-                         for sid in open_ids}
-        outcomes = [run_http(cluster, i, 4) for i in range(3)]
-        assert all(o.ok for o in outcomes), outcomes
-        if cluster.metric("ferry:router_breaker_trips_total") == 2 and set(
-                cluster.breaker_states()[sid] for sid in open_ids) == {1}:   # still cooling down: skipped
-            assert {sid: cluster.metric("ferry:router_requests_routed_total", scheduler_id=sid)
-                    for sid in open_ids} == routed_before
-        wait_until(lambda: run_http(cluster, 0, 4).ok and set(cluster.breaker_states().values()) == {0},
-                   "every breaker closed again after its cool-down and a success", timeout=60)
-        assert cluster.metric("ferry:router_breaker_trips_total") >= 2
+        with ThreadPoolExecutor(7) as pool:
+            others = [pool.submit(timed, run_grpc, cluster, i, MAX_TOKENS) for i in range(6)]
+            poisoned = run_http(cluster, [10, 11, POISON], 4)
+            outcomes = [f.result(timeout=120) for f in others]
+        assert poisoned.status == "500" and "the worker crashed running this request" in poisoned.error, poisoned
+        assert all(o.ok and o.token_ids == expected_ids[o.prompt] for o in outcomes), outcomes
+        replaced = [i for i in range(3) if cluster.worker_of(i) != workers[i]]
+        assert len(replaced) == 1, replaced               # its own scheduler's worker, never another's
+        assert cluster.metric("ferry:router_retries_total") == 0
+        assert set(cluster.breaker_states().values()) <= {0}
         wait_until(cluster.services.idle, "KV back to 0", timeout=30)
     finally:
         cluster.stop()
