@@ -24,11 +24,12 @@ from protos.registry import SchedulerInfo
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
-from router.limits import KeyLimiter, OverLimit
+from router.limits import KeyLease, KeyLimiter, OverLimit
 from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
+from router.shared_limits import SharedKeyLimiter
 from router.stream_state import SampleState, StreamState
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
@@ -72,7 +73,7 @@ class Router:
     in_flight: int = 0
     connections: dict[str, SchedulerConnection] = field(default_factory=dict)   # by scheduler address
     retries: RetryGovernor = field(default_factory=RetryGovernor)
-    key_limiter: KeyLimiter = field(default_factory=KeyLimiter)
+    key_limiter: KeyLimiter | SharedKeyLimiter = field(default_factory=KeyLimiter)
 
     def __post_init__(self) -> None:
         self.telemetry.metrics.watch_breakers(self.retries.states)
@@ -82,42 +83,44 @@ class Router:
         """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP). With
         `hold` (a caller that answers only at the end) nothing is yielded before the request is done, so a failed
         scheduler's request can be retried at any point. `api_key`: the client's key, which its limits count."""
-        self.admit(api_key)
+        self.admit()
         self.in_flight += 1
         observed = self.telemetry.start(trace_parent)
+        lease, sent = self.key_limiter.lease(api_key), False
         try:
-            async with contextlib.aclosing(await self.route(request, observed, hold)) as responses:
+            async with contextlib.aclosing(await self.route(request, observed, lease, hold)) as responses:
                 async for response in responses:
                     observed.on_response(response)
-                    self.key_limiter.charge(api_key, tokens_charged(response))
+                    lease.charge(len(response.token_ids))
+                    sent = True
                     yield response
         except RequestError as e:
+            if not sent:   # failed before its first token: the key gets its prompt back
+                lease.refund_prompt()
             observed.fail(e.code.name, e.message)
             raise
         finally:
             self.in_flight -= 1
-            self.key_limiter.release(api_key)
             observed.finish()
+            await lease.release()   # written before the client sees the end, so its next request sees it
 
-    def admit(self, api_key: str) -> None:
+    def admit(self) -> None:
         if self.in_flight >= self.max_concurrent_requests:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the router is at its limit of {self.max_concurrent_requests} concurrent requests; "
                                "retry later")
-        try:
-            self.key_limiter.admit(api_key)
-        except OverLimit as e:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after) from e
 
-    async def route(self, request: router_pb2.GenerateRequest, observed: RequestObservation,
+    async def route(self, request: router_pb2.GenerateRequest, observed: RequestObservation, lease: KeyLease,
                     hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Validate, tokenize and rank the schedulers; the request's responses from the one that takes it."""
+        """Validate and tokenize; admit it under its key's limits (`lease`), charging its prompt; rank the
+        schedulers; the request's responses from the one that takes it."""
         params = parse_sampling(request)
         candidates = self.candidates(request.model)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
         check_prompt(prompt_ids, params, candidates[0])
+        await admit_key(lease, len(prompt_ids))
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
         request_id = request.request_id or uuid.uuid4().hex
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
@@ -259,9 +262,11 @@ def resumed_request(upstream: scheduler_pb2.ScheduleRequest, state: StreamState)
     return request
 
 
-def tokens_charged(response: router_pb2.GenerateResponse) -> int:
-    """What a response costs its key: its completion tokens, and the prompt with the last response (the usage)."""
-    return len(response.token_ids) + (response.usage.prompt_tokens if response.HasField("usage") else 0)
+async def admit_key(lease: KeyLease, prompt_tokens: int) -> None:
+    try:
+        await lease.admit(prompt_tokens)
+    except OverLimit as e:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after) from e
 
 
 def parse_sampling(request: router_pb2.GenerateRequest) -> SamplingParams:

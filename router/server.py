@@ -22,10 +22,11 @@ from router.http.body import MAX_REQUEST_BYTES
 from router.http.errors import RETRY_AFTER_S
 from router.http.serve import HttpLimits, HttpServer, serve_http
 from router.http.served_models import directory_models
-from router.limits import KeyLimiter, KeyLimits
+from router.limits import KeyLimits
 from router.metrics import RouterTelemetry
 from router.policy import POLICIES
 from router.retry import RetryGovernor, RetryOptions
+from router.shared_limits import key_limiter
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,10 @@ async def serve(options: RouterOptions) -> int:
                                    tls=options.tls, keepalive_s=options.scheduler_keepalive)
     await directory.start()
     tracing = setup_tracing("ferry-router")
+    limiter = key_limiter(options.key_limits, options.redis_url, options.redis_password)
     router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing),
                     max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry),
-                    key_limiter=KeyLimiter(options.key_limits))
+                    key_limiter=limiter)
     http = None
     if options.http_port:
         http = await start_http(router, directory, options)
@@ -137,6 +139,7 @@ async def serve(options: RouterOptions) -> int:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     await drain(server, http, health_servicer, options.drain_timeout)
+    await limiter.close()
     await directory.close()
     tracing.shutdown()
     return 0

@@ -50,7 +50,7 @@ def request_of(kind: str, num_chars: int) -> router_pb2.GenerateRequest:
 
 
 async def route(router: Router, request: router_pb2.GenerateRequest) -> None:
-    responses = await router.route(request, router.telemetry.start(None))
+    responses = await router.route(request, router.telemetry.start(None), router.key_limiter.lease(""))
     await responses.aclose()   # routed, not sent: nothing dials the scheduler
 
 

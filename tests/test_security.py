@@ -1,6 +1,7 @@
 """Every hop authenticated, TLS on the ports that leave the host: a real stack (redis-server with a password, a
 scheduler with its worker, a router) with the cluster token, TLS on every TCP port (certificates made with
-`cryptography` by conftest.make_pki) and per-API-key limits. The pieces on their own: test_security_checks.py."""
+`cryptography` by conftest.make_pki) and per-API-key limits, shared by the routers on its Redis. The pieces on their
+own: test_security_checks.py."""
 from __future__ import annotations
 
 import os
@@ -8,7 +9,10 @@ import ssl
 import stat
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,17 +23,19 @@ import pytest
 import redis
 
 from base.cluster_auth import token_metadata
-from ferry.launcher import free_port
 from base.tls import TlsConfig
+from ferry.launcher import free_port, wait_for_health
+from ferry.stack import Stack as ProcessStack
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import make_pki
-from tests.services_fixtures import (Secured, ServiceStack, child_pids, greedy, served_alone, start_services,
-                                     wait_until)
+from tests.services_fixtures import (CHILD_ENV, Secured, ServiceStack, child_pids, greedy, registered_schedulers,
+                                     served_alone, start_services, wait_until)
 
 CLUSTER_TOKEN = "cluster-token-for-tests"
 REDIS_PASSWORD = "redis-password-for-tests"
 TOKENS_PER_MINUTE = 300
-KEYS = ("sk-e2e", "sk-sdk", "sk-busy", "sk-other", "sk-rate")
+KEYS = ("sk-e2e", "sk-sdk", "sk-busy", "sk-other", "sk-rate", "sk-hangup", "sk-prompt", "sk-shared", "sk-shared-tokens",
+        "sk-down")
 WORKER_ENV = {"FERRY_CPU_KERNELS": "0"}   # what is tested here is the hops: torch ops, no wait on a kernel build
 
 
@@ -39,6 +45,7 @@ class SecureStack:
     tls: TlsConfig
     http_base: str
     log_dir: Path
+    router_flags: tuple[str, ...]   # but the ports and Redis: for another router on the stack
 
     @property
     def scheduler(self) -> str:
@@ -48,9 +55,9 @@ class SecureStack:
         channel = grpc.secure_channel(self.scheduler, (tls or self.tls).channel_credentials())
         return scheduler_pb2_grpc.SchedulerStub(channel)
 
-    def router(self) -> router_pb2_grpc.RouterStub:
+    def router(self, address: str = "") -> router_pb2_grpc.RouterStub:
         credentials = grpc.ssl_channel_credentials(Path(self.tls.ca).read_bytes())
-        return router_pb2_grpc.RouterStub(grpc.secure_channel(self.services.router_address, credentials))
+        return router_pb2_grpc.RouterStub(grpc.secure_channel(address or self.services.router_address, credentials))
 
     def https(self) -> httpx.Client:
         return httpx.Client(verify=ssl.create_default_context(cafile=self.tls.ca), timeout=60)
@@ -71,14 +78,13 @@ def secure(tiny_llama_dir, tmp_path_factory):
     tls = make_pki(directory, "ferry")
     http_port = free_port()
     tls_flags = ("--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca)
-    router_flags = ("--http-port", str(http_port), "--cluster-token", CLUSTER_TOKEN, *tls_flags,
-                    *[a for key in KEYS for a in ("--api-key", key)], "--max-concurrent-requests-per-key", "1",
-                    "--max-tokens-per-minute-per-key", str(TOKENS_PER_MINUTE))
+    router_flags = ("--cluster-token", CLUSTER_TOKEN, *tls_flags, *[a for key in KEYS for a in ("--api-key", key)],
+                    "--max-concurrent-requests-per-key", "1", "--max-tokens-per-minute-per-key", str(TOKENS_PER_MINUTE))
     secured = Secured(REDIS_PASSWORD, tls, CLUSTER_TOKEN, directory)
-    services = start_services(tiny_llama_dir, 1, router_flags, WORKER_ENV, secured,
+    services = start_services(tiny_llama_dir, 1, ("--http-port", str(http_port), *router_flags), WORKER_ENV, secured,
                               **{"--cluster-token": CLUSTER_TOKEN, "--tls-cert": tls.cert, "--tls-key": tls.key,
                                  "--tls-ca": tls.ca})
-    stack = SecureStack(services, tls, f"https://127.0.0.1:{http_port}/v1", directory)
+    stack = SecureStack(services, tls, f"https://127.0.0.1:{http_port}/v1", directory, router_flags)
     try:
         with stack.https() as client:
             wait_until(lambda: client.get(f"https://127.0.0.1:{http_port}/health").status_code == 200, "HTTPS health")
@@ -201,6 +207,106 @@ def test_a_key_past_its_token_rate_gets_429_with_retry_after_while_another_key_i
         list(secure.router().Generate(request, timeout=10, metadata=[("authorization", "Bearer sk-rate")]))
     assert over_grpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(over_grpc.value.trailing_metadata())["retry-after"]) >= 4
+
+
+def bearer(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def token_prompt(num_tokens: int, max_tokens: int = 1) -> router_pb2.GenerateRequest:
+    """A prompt of exactly num_tokens tokens."""
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5 + i % 50 for i in range(num_tokens)]),
+                                      sampling=greedy(max_tokens, ignore_eos=True))
+
+
+def refused(stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest, key: str) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(request, timeout=60, metadata=bearer(key)))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
+    return error.value
+
+
+def refused_for(reason: str, stub: router_pb2_grpc.RouterStub, request: router_pb2.GenerateRequest,
+                key: str) -> grpc.RpcError:
+    """The refusal once it is for `reason`: a stream its client just cancelled gives its place back a moment
+    later, and until then the refusal is for the key's one concurrent stream."""
+    deadline = time.monotonic() + 10
+    while reason not in (error := refused(stub, request, key)).details() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reason in error.details(), error.details()
+    return error
+
+
+def retry_after(error: grpc.RpcError) -> int:
+    return int(dict(error.trailing_metadata())["retry-after"])
+
+
+def test_a_client_that_hangs_up_after_its_first_token_is_still_charged_its_prompt(secure):
+    stream = secure.router().Generate(token_prompt(250, 50), timeout=60, metadata=bearer("sk-hangup"))
+    next(stream)
+    stream.cancel()
+    # 300 - 250 charged at admission, refilled at 5 tokens/s: a 100-token prompt is refused
+    refused_for(f"{TOKENS_PER_MINUTE} tokens a minute", secure.router(), token_prompt(100), "sk-hangup")
+
+
+def test_a_prompt_bigger_than_the_keys_budget_left_is_refused_with_retry_after(secure):
+    stub = secure.router()
+    assert len(list(stub.Generate(token_prompt(200), timeout=60, metadata=bearer("sk-prompt")))) == 1
+    over = refused(stub, token_prompt(150), "sk-prompt")          # about 100 left
+    assert f"{TOKENS_PER_MINUTE} tokens a minute" in over.details()
+    assert 5 <= retry_after(over) <= 11                            # about 50 short, refilled at 5 tokens/s
+    with secure.https() as client:
+        over_http = client.post(secure.http_base + "/completions", headers={"Authorization": "Bearer sk-prompt"},
+                                json={"prompt": list(token_prompt(150).token_ids.ids), "max_tokens": 1})
+    assert over_http.status_code == 429 and int(over_http.headers["Retry-After"]) >= 5, over_http.text
+    assert list(stub.Generate(token_prompt(20), timeout=60, metadata=bearer("sk-prompt")))   # one it covers
+
+
+@contextmanager
+def another_router(secure: SecureStack) -> Iterator[router_pb2_grpc.RouterStub]:
+    """A second router on the stack's Redis, with the same flags: a second pod, or one of `--workers 2`."""
+    port, processes = free_port(), ProcessStack()
+    try:
+        processes.start([sys.executable, "-m", "router", "--port", str(port), "--http-port", "0",
+                         "--redis-url", secure.services.redis_url, "--redis-password", REDIS_PASSWORD,
+                         *secure.router_flags], "second router", env=CHILD_ENV)
+        wait_for_health(f"127.0.0.1:{port}", processes, timeout=60, tls=secure.tls)
+        yield secure.router(f"127.0.0.1:{port}")
+    finally:
+        processes.stop()
+
+
+def test_two_routers_on_one_redis_give_a_key_its_limits_once(secure):
+    with another_router(secure) as second:
+        stream = secure.router().Generate(token_prompt(10, 900), timeout=60, metadata=bearer("sk-shared"))
+        next(stream)
+        assert "1 concurrent" in refused(second, token_prompt(10), "sk-shared").details()
+        stream.cancel()
+        wait_until(lambda: served(second, "sk-shared"), "the place the first router gave back, on the second")
+        assert list(secure.router().Generate(token_prompt(250), timeout=60, metadata=bearer("sk-shared-tokens")))
+        assert f"{TOKENS_PER_MINUTE} tokens a minute" in refused(second, token_prompt(100),
+                                                                 "sk-shared-tokens").details()
+
+
+def served(stub: router_pb2_grpc.RouterStub, key: str) -> bool:
+    try:
+        return bool(list(stub.Generate(token_prompt(10), timeout=60, metadata=bearer(key))))
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return False
+
+
+def test_with_redis_down_a_router_still_applies_the_limits_and_serves(secure):
+    def while_down():
+        stream = secure.router().Generate(token_prompt(10, 900), timeout=60, metadata=bearer("sk-down"))
+        next(stream)
+        assert "1 concurrent" in refused(secure.router(), token_prompt(10), "sk-down").details()
+        assert served(secure.router(), "sk-other")
+        stream.cancel()
+
+    secure.services.restart_redis(while_down)
+    wait_until(lambda: registered_schedulers(secure.services), "the scheduler registered in the new Redis")
 
 
 # --- Redis -------------------------------------------------------------------------------------------------
