@@ -148,6 +148,26 @@ def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple
         raise
 
 
+def redis_answers(url: str, password: str = "") -> bool:
+    try:
+        return redis.Redis.from_url(url, password=password or None).ping()
+    except redis.ConnectionError:
+        return False
+
+
+@contextmanager
+def running_redis(password: str = "") -> Iterator[str]:
+    """A redis-server on a free port while the block runs; yields its URL."""
+    stack, port = Stack(), free_port()
+    start_redis(stack, port, password)
+    url = f"redis://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: redis_answers(url, password), "redis-server up")
+        yield url
+    finally:
+        stack.stop()
+
+
 def registered_schedulers(services: ServiceStack) -> list[bytes]:
     try:
         return list(services.redis().scan_iter(match="ferry:scheduler:*"))

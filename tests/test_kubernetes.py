@@ -23,7 +23,7 @@ from opentelemetry.sdk import environment_variables as otel_environment_variable
 
 from ferry.launcher import free_port
 from scheduler.__main__ import check_exposure
-from tests.services_fixtures import wait_until
+from tests.services_fixtures import redis_answers, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -346,20 +346,13 @@ def test_the_manifests_redis_requires_the_password_from_its_secret_file(tmp_path
     script = script.replace(secret_file, str(tmp_path / "redis-password")) + f" --port {port} --bind 127.0.0.1"
     server = subprocess.Popen([*shell, script], stdout=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_until(lambda: answers(f"redis://:{password}@127.0.0.1:{port}"), "the manifest's redis up", timeout=15)
+        wait_until(lambda: redis_answers(f"redis://:{password}@127.0.0.1:{port}"), "the manifest's redis up", timeout=15)
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
         assert not [args for args in command_lines_of_every_process() if password in args]
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-
-
-def answers(url: str) -> bool:
-    try:
-        return redis.Redis.from_url(url).ping()
-    except redis.ConnectionError:
-        return False
 
 
 def command_lines_of_every_process() -> list[str]:

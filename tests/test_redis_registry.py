@@ -12,11 +12,10 @@ import pytest
 import redis
 
 from ferry.launcher import free_port
-from ferry.stack import Stack
 from protos.registry import SchedulerInfo
 from router.discovery import SchedulerDirectory
 from scheduler.registry import Registry
-from tests.services_fixtures import start_redis, wait_until
+from tests.services_fixtures import running_redis, wait_until
 
 TTL_S = 1.0
 REGISTRY_SET = b"ferry:schedulers"
@@ -25,21 +24,8 @@ CLUSTER_TOKEN = "cluster-token-for-tests"
 
 @pytest.fixture
 def redis_url():
-    stack, port = Stack(), free_port()
-    start_redis(stack, port)
-    url = f"redis://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: answers(url), "redis-server up")
+    with running_redis() as url:
         yield url
-    finally:
-        stack.stop()
-
-
-def answers(url: str) -> bool:
-    try:
-        return redis.Redis.from_url(url).ping()
-    except redis.ConnectionError:
-        return False
 
 
 def info(scheduler_id: str) -> SchedulerInfo:

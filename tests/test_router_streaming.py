@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
-from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
-from protos import common_pb2, router_pb2, scheduler_pb2_grpc
+from benchmarks.synthetic_scheduler import single_character_tokens
+from protos import common_pb2, router_pb2
 from router.core import Router
-from router.discovery import SchedulerDirectory
+from tests.synthetic_fixtures import synthetic_scheduler
 
 NUM_TOKENS = 40
 
@@ -19,25 +17,14 @@ async def stream(tokenizer_dir: str, stream_interval: int = 0, read_delay: float
     """One request through a Router to a synthetic scheduler stepping every step_interval; the reader waits
     read_delay after each message. Returns the tokens the scheduler emits for it and the messages the reader got."""
     token_ids = single_character_tokens(tokenizer_dir)
-    scheduler, server = SyntheticScheduler(token_ids, step_interval, 8), grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    stepping = asyncio.create_task(scheduler.run())
-    directory = SchedulerDirectory(static_addresses=[f"127.0.0.1:{port}"], static_model_path=tokenizer_dir)
-    await directory.start()
-    try:
-        request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]),
-                                             sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS),
-                                             stream_interval=stream_interval)
-        messages = []
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]),
+                                         sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS),
+                                         stream_interval=stream_interval)
+    messages = []
+    async with synthetic_scheduler(tokenizer_dir, step_interval) as (directory, _):
         async for response in Router(directory).generate(request):
             messages.append(response)
             await asyncio.sleep(read_delay)
-    finally:
-        stepping.cancel()
-        await directory.close()
-        await server.stop(0)
     return [token_ids[i % len(token_ids)] for i in range(NUM_TOKENS)], messages
 
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -19,10 +18,9 @@ import redis
 
 from base.cluster_auth import matching_key
 from base.tls import TlsConfig
-from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
 from ferry.launcher import free_port
 from ferry.stack import Stack
-from protos import common_pb2, router_pb2, scheduler_pb2_grpc
+from protos import common_pb2, router_pb2
 from protos.registry import SchedulerInfo
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
@@ -31,7 +29,8 @@ from router.shared_limits import SharedKeyLimiter, bucket_key
 from scheduler.__main__ import build_parser, check_exposure
 from scheduler.registry import Registry
 from tests.conftest import make_pki
-from tests.services_fixtures import start_redis, wait_until
+from tests.services_fixtures import redis_answers, running_redis, start_redis, wait_until
+from tests.synthetic_fixtures import synthetic_scheduler
 
 REDIS_PASSWORD = "redis-password-for-tests"
 
@@ -69,14 +68,8 @@ def test_a_prompt_the_budget_left_cannot_cover_is_refused_with_the_wait_for_it()
 @pytest.fixture
 def shared_redis():
     """A redis-server with a password on a free port; yields its URL."""
-    stack, port = Stack(), free_port()
-    start_redis(stack, port, REDIS_PASSWORD)
-    url = f"redis://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: redis_answers(url), "redis-server up")
+    with running_redis(REDIS_PASSWORD) as url:
         yield url
-    finally:
-        stack.stop()
 
 
 def shared_limiter(url: str, limits: KeyLimits, **options) -> SharedKeyLimiter:
@@ -182,7 +175,7 @@ def test_with_redis_down_each_router_counts_the_limits_alone_says_so_once_and_sh
             await asyncio.sleep(0.3)                          # Redis is tried again, and still not there
             assert "60 tokens a minute" in (await refusal(limiter, "sk-a", 55)).message
             start_redis(stack, port, REDIS_PASSWORD)
-            wait_until(lambda: redis_answers(url), "redis-server up")
+            wait_until(lambda: redis_answers(url, REDIS_PASSWORD), "redis-server up")
             await asyncio.sleep(0.3)
             await admitted(limiter, "sk-b", 10)
             assert redis.Redis.from_url(url, password=REDIS_PASSWORD).exists(bucket_key("sk-b"))
@@ -203,25 +196,6 @@ def test_with_redis_down_each_router_counts_the_limits_alone_says_so_once_and_sh
 def generate_request(num_prompt_tokens: int, max_tokens: int) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5] * num_prompt_tokens),
                                       sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
-
-
-@asynccontextmanager
-async def synthetic_scheduler(tokenizer_dir: str):
-    """A Router's directory with one synthetic scheduler in it; yields (directory, the scheduler's server)."""
-    scheduler = SyntheticScheduler(single_character_tokens(tokenizer_dir), 0.002, 8)
-    server = grpc.aio.server()
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(scheduler, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    stepping = asyncio.create_task(scheduler.run())
-    directory = SchedulerDirectory(static_addresses=[f"127.0.0.1:{port}"], static_model_path=tokenizer_dir)
-    await directory.start()
-    try:
-        yield directory, server
-    finally:
-        stepping.cancel()
-        await directory.close()
-        await server.stop(0)
 
 
 def test_a_client_that_hangs_up_keeps_its_prompt_charged_and_a_request_that_fails_first_gets_it_back(tokenizer_dir):
@@ -275,18 +249,11 @@ def test_a_rediss_url_with_its_ca_and_the_password_reaches_a_tls_redis(tmp_path)
     server = start_tls_redis(pki, port)
     url = f"rediss://127.0.0.1:{port}?ssl_ca_certs={pki.ca}"
     try:
-        wait_until(lambda: redis_answers(url), "TLS Redis up")
+        wait_until(lambda: redis_answers(url, REDIS_PASSWORD), "TLS Redis up")
         asyncio.run(register_and_discover(url))
     finally:
         server.kill()
         server.wait()
-
-
-def redis_answers(url: str) -> bool:
-    try:
-        return redis.Redis.from_url(url, password=REDIS_PASSWORD).ping()
-    except redis.ConnectionError:
-        return False
 
 
 # --- flags -------------------------------------------------------------------------------------------------
