@@ -6,7 +6,7 @@ What a scenario is judged by, per request: done, failed before its first token, 
 greedy answer that differs from the undisturbed one: a resumed stream must go on token for token), hung (past
 its deadline); and per stack: seconds from the fault's end until every scheduler serves again and a request
 goes through, KV back to 0 everywhere, the services' RSS. In every scenario here a live scheduler remains, so
-nothing may fail.
+nothing may fail (but the query of death itself, whose fate the row notes).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from base.cluster_auth import token_metadata
 from benchmarks.served_stack import ServedStack
+from gpu_worker.fault import CRASH_ON_TOKEN_ENV
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 PROMPTS = [f"Chaos prompt {i}: the stack keeps serving whatever happens to its parts" for i in range(8)]
@@ -50,8 +51,21 @@ def signal_worker(sig: int) -> Callable[[ServedStack], None]:
     return send
 
 
+def query_of_death(stack: ServedStack) -> None:
+    """A request whose prompt kills every worker that takes it in (gpu_worker/fault.py), among the load."""
+    prompt = router_pb2.TokenIds(ids=[10, 11, stack.poison_token])
+    try:
+        for _ in router_pb2_grpc.RouterStub(stack.channel).Generate(router_pb2.GenerateRequest(
+                token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=4)), timeout=120):
+            pass
+        stack.notes["query of death"] = "OK"
+    except grpc.RpcError as e:
+        stack.notes["query of death"] = e.code().name
+
+
 def scenarios(stop_s: float = 10.0, redis_down_s: float = 30.0) -> list[Fault]:
     return [Fault("kill worker", signal_worker(signal.SIGKILL)),
+            Fault("query of death", query_of_death),
             Fault("kill scheduler", signal_victim(signal.SIGKILL)),
             Fault(f"stop scheduler {stop_s:g} s", signal_victim(signal.SIGSTOP), signal_victim(signal.SIGCONT),
                   stop_s),
@@ -180,14 +194,26 @@ def judge(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], r
         "recover_s": round(recover_s, 1),
         "kv_back_to_0": wait(lambda: kv_idle(stack), timeout=30) is not None,
         "rss_mb": {name: round(rss_mb(pid)) for name, pid in sorted(stack.pids.items())},
+        **({"poisoned_request": stack.notes.pop(name)} if name in stack.notes else {}),
     }
 
 
 def run(model: str, faults: list[Fault], clients: int = 8, max_tokens: int = 64, warm_s: float = 3.0,
         tail_s: float = 3.0, deadline_s: float = 120.0, up_flags: tuple[str, ...] = ()) -> list[dict]:
     """One `ferry up` (two schedulers) through every fault in turn; a row per fault."""
-    with ServedStack(["--model", model, "--num-schedulers", "2", "--policy", "round_robin", *up_flags]) as stack:
+    poison = poison_token(model)
+    with ServedStack(["--model", model, "--num-schedulers", "2", "--policy", "round_robin", *up_flags],
+                     env={CRASH_ON_TOKEN_ENV: str(poison)}) as stack:
+        stack.poison_token, stack.notes = poison, {}
         stack.wait_ready(2)
         reference = {i: Load(stack, 1, max_tokens, deadline_s).request(i).token_ids for i in range(len(PROMPTS))}
         return [run_scenario(stack, fault, reference, clients, max_tokens, warm_s, tail_s, deadline_s)
                 for fault in faults]
+
+
+def poison_token(model: str) -> int:
+    """A token id no load prompt holds: the query of death's."""
+    from router.tokenizer import load_tokenizer
+
+    used = {t for prompt in PROMPTS for t in load_tokenizer(model).encode(prompt)}
+    return next(t for t in range(100, 100_000) if t not in used)

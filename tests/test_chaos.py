@@ -1,5 +1,5 @@
 """The chaos suite, small: one `ferry up` of a tiny model under streaming load through a SIGKILLed worker, a
-SIGKILLed scheduler, a SIGSTOPped scheduler, a SIGKILLed Redis and a stopped one. In each, a live scheduler
+SIGKILLed scheduler, a query of death, a SIGSTOPped scheduler, a SIGKILLed Redis and a stopped one. In each, a live scheduler
 remained: no request may fail, hang or answer differently than undisturbed, and the stack serves again with every
 KV block free (`ferry bench chaos` is the full one, its table in BENCHMARKS.md)."""
 from __future__ import annotations
@@ -17,3 +17,4 @@ def test_the_stack_loses_no_request_through_every_fault_and_recovers(tiny_llama_
         assert row["requests"] > 0 and row["done"] == row["requests"], row
         assert row["wrong"] == 0 and row["hung"] == 0, row
         assert row["recover_s"] >= 0 and row["kv_back_to_0"], row
+    assert [row.get("poisoned_request") for row in rows if "poisoned_request" in row] == ["INTERNAL"]   # alone
