@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from base.cluster_auth import token_metadata
 from benchmarks.served_stack import ServedStack
+from ferry.launcher import free_port
 from gpu_worker.fault import CRASH_ON_TOKEN_ENV
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -63,9 +65,75 @@ def query_of_death(stack: ServedStack) -> None:
         stack.notes["query of death"] = e.code().name
 
 
-def scenarios(stop_s: float = 10.0, redis_down_s: float = 30.0) -> list[Fault]:
+def long_prompts_with_logprobs(num_tokens: int, count: int = 3) -> Callable[[ServedStack], None]:
+    """Prompts of num_tokens with their prompt logprobs (what `echo` needs) and top-5 logprobs, among the load:
+    outputs far bigger than a token's, which must neither break the stream they share nor slow it for long."""
+    def send(stack: ServedStack) -> None:
+        cycle = [t for t in range(100, 400) if t != stack.poison_token]
+        ids = [cycle[i % len(cycle)] for i in range(num_tokens)]
+        sampling = common_pb2.SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=5, logprobs=5)
+        request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids), sampling=sampling)
+
+        def one() -> str:
+            try:
+                list(router_pb2_grpc.RouterStub(stack.channel).Generate(request, timeout=300))
+                return "OK"
+            except grpc.RpcError as e:
+                return e.code().name
+        with ThreadPoolExecutor(count) as pool:
+            stack.notes[f"{count} x {num_tokens}-token prompts with logprobs"] = list(pool.map(
+                lambda _: one(), range(count)))
+    return send
+
+
+@dataclass
+class SlowClients:
+    """HTTP connections that send their headers a byte at a time (slowloris); how many the router cut."""
+    count: int
+    sockets: list[socket.socket] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def open(self, stack: ServedStack) -> None:
+        for _ in range(self.count):
+            conn = socket.create_connection(("127.0.0.1", stack.http_port))
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            self.sockets.append(conn)
+        threading.Thread(target=self.trickle, daemon=True).start()
+
+    def trickle(self) -> None:
+        while not self.stop.wait(0.5):
+            for conn in self.sockets:
+                try:
+                    conn.sendall(b"X")
+                except OSError:
+                    pass
+
+    def close(self, stack: ServedStack) -> None:
+        self.stop.set()
+        stack.notes["slow clients cut by the router"] = f"{sum(map(cut, self.sockets))} of {self.count}"
+        for conn in self.sockets:
+            conn.close()
+
+
+def cut(conn: socket.socket) -> bool:
+    """The router answered the connection or closed it (its header timeout), rather than still waiting on it."""
+    conn.setblocking(False)
+    try:
+        conn.recv(1 << 16)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def scenarios(stop_s: float = 10.0, redis_down_s: float = 30.0, slow_s: float = 12.0,
+              long_prompt_tokens: int = 8000) -> list[Fault]:
+    slow = SlowClients(64)
     return [Fault("kill worker", signal_worker(signal.SIGKILL)),
             Fault("query of death", query_of_death),
+            Fault(f"slowloris: 64 clients, {slow_s:g} s", slow.open, slow.close, slow_s),
+            Fault("long prompts with logprobs", long_prompts_with_logprobs(long_prompt_tokens)),
             Fault("kill scheduler", signal_victim(signal.SIGKILL)),
             Fault(f"stop scheduler {stop_s:g} s", signal_victim(signal.SIGSTOP), signal_victim(signal.SIGCONT),
                   stop_s),
@@ -167,6 +235,9 @@ def rss_mb(pid: int) -> float:
 
 def run_scenario(stack: ServedStack, fault: Fault, reference: dict[int, list[int]], clients: int, max_tokens: int,
                  warm_s: float, tail_s: float, deadline_s: float) -> dict:
+    stack.notes = {}
+    rss_before = services_rss(stack)
+
     def strike() -> float:
         time.sleep(warm_s)
         fault.inject(stack)
@@ -177,7 +248,14 @@ def run_scenario(stack: ServedStack, fault: Fault, reference: dict[int, list[int
         return -1.0 if recovered is None else recovered
 
     outcomes, recover_s = Load(stack, clients, max_tokens, deadline_s).run_during(strike)
-    return judge(fault.name, outcomes, reference, recover_s, stack)
+    row = judge(fault.name, outcomes, reference, recover_s, stack)
+    rss_after = services_rss(stack)
+    row["rss_growth"] = round(max(rss_after[n] / rss_before[n] for n in rss_after if rss_before.get(n)), 2)
+    return row
+
+
+def services_rss(stack: ServedStack) -> dict[str, float]:
+    return {name: rss_mb(pid) for name, pid in stack.pids.items()}
 
 
 def judge(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], recover_s: float,
@@ -193,18 +271,18 @@ def judge(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], r
         "p99_s": round(seconds[int(0.99 * (len(seconds) - 1))], 2) if seconds else 0.0,
         "recover_s": round(recover_s, 1),
         "kv_back_to_0": wait(lambda: kv_idle(stack), timeout=30) is not None,
-        "rss_mb": {name: round(rss_mb(pid)) for name, pid in sorted(stack.pids.items())},
-        **({"poisoned_request": stack.notes.pop(name)} if name in stack.notes else {}),
+        "rss_mb": {name: round(rss) for name, rss in sorted(services_rss(stack).items())},
+        **({"notes": stack.notes.copy()} if stack.notes else {}),
     }
 
 
 def run(model: str, faults: list[Fault], clients: int = 8, max_tokens: int = 64, warm_s: float = 3.0,
         tail_s: float = 3.0, deadline_s: float = 120.0, up_flags: tuple[str, ...] = ()) -> list[dict]:
     """One `ferry up` (two schedulers) through every fault in turn; a row per fault."""
-    poison = poison_token(model)
-    with ServedStack(["--model", model, "--num-schedulers", "2", "--policy", "round_robin", *up_flags],
-                     env={CRASH_ON_TOKEN_ENV: str(poison)}) as stack:
-        stack.poison_token, stack.notes = poison, {}
+    poison, http_port = poison_token(model), free_port()
+    with ServedStack(["--model", model, "--num-schedulers", "2", "--policy", "round_robin",
+                      "--http-port", str(http_port), *up_flags], env={CRASH_ON_TOKEN_ENV: str(poison)}) as stack:
+        stack.poison_token, stack.http_port, stack.notes = poison, http_port, {}
         stack.wait_ready(2)
         reference = {i: Load(stack, 1, max_tokens, deadline_s).request(i).token_ids for i in range(len(PROMPTS))}
         return [run_scenario(stack, fault, reference, clients, max_tokens, warm_s, tail_s, deadline_s)

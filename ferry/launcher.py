@@ -55,9 +55,11 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from router.http.serve import add_http_limit_args
     from router.limits import add_limit_args as add_router_limit_args
 
     add_router_limit_args(parser)
+    add_http_limit_args(parser)
 
 
 def routing_policies() -> list[str]:
@@ -203,8 +205,10 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
 
 
 def limit_flags(args: argparse.Namespace) -> list[str]:
+    from router.http.serve import http_limit_flags
+
     return ["--max-concurrent-requests-per-key", str(args.max_concurrent_requests_per_key),
-            "--max-tokens-per-minute-per-key", str(args.max_tokens_per_minute_per_key)]
+            "--max-tokens-per-minute-per-key", str(args.max_tokens_per_minute_per_key), *http_limit_flags(args)]
 
 
 def raise_interrupt(*_) -> None:

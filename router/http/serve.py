@@ -25,9 +25,13 @@ class HttpLimits:
 
 
 def add_http_args(parser: argparse.ArgumentParser) -> None:
-    defaults = HttpLimits()
     parser.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP host")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0: no HTTP")
+    add_http_limit_args(parser)
+
+
+def add_http_limit_args(parser: argparse.ArgumentParser) -> None:
+    defaults = HttpLimits()
     parser.add_argument("--http-max-connections", type=int, default=defaults.max_connections,
                         help="open HTTP connections (or requests in flight) past which requests get 503 "
                              "(uvicorn's limit_concurrency; default: %(default)s)")
@@ -37,6 +41,12 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-body-timeout", type=float, default=defaults.body_timeout,
                         help="seconds an HTTP client has to send a request's body before it gets 408 "
                              "(default: %(default)s)")
+
+
+def http_limit_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that give a router these limits (what add_http_limit_args parses)."""
+    return ["--http-max-connections", str(args.http_max_connections),
+            "--http-header-timeout", str(args.http_header_timeout), "--http-body-timeout", str(args.http_body_timeout)]
 
 
 def http_limits(args: argparse.Namespace) -> HttpLimits:
