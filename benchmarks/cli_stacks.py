@@ -66,9 +66,9 @@ def add_chaos_parser(bench) -> None:
 
 
 def run_chaos(args) -> int:
-    from benchmarks import chaos
+    from benchmarks import chaos, chaos_faults
 
-    faults = chaos.scenarios(args.stop_seconds, args.redis_down_seconds)
+    faults = chaos_faults.scenarios(args.stop_seconds, args.redis_down_seconds)
     if args.only:
         faults = [f for f in faults if f.name in args.only.split(",")]
     rows = chaos.run(model_dir(args), faults, args.clients, args.max_tokens, up_flags=("--dtype", args.dtype))

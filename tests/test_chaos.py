@@ -5,11 +5,11 @@ undisturbed, and the stack serves again with every KV block free (`ferry bench c
 BENCHMARKS.md)."""
 from __future__ import annotations
 
-from benchmarks import chaos
+from benchmarks import chaos, chaos_faults
 
 
 def test_the_stack_loses_no_request_through_every_fault_and_recovers(tiny_llama_dir):
-    faults = chaos.scenarios(stop_s=3.0, redis_down_s=3.0, slow_s=3.0, long_prompt_tokens=600)
+    faults = chaos_faults.scenarios(stop_s=3.0, redis_down_s=3.0, slow_s=3.0, long_prompt_tokens=600)
     rows = chaos.run(str(tiny_llama_dir), faults, clients=6, max_tokens=48, warm_s=1.5, tail_s=1.5, deadline_s=60.0,
                      up_flags=("--dtype", "float32", "--kv-cache-memory", "4000000", "--heartbeat-ttl", "2",
                                "--scheduler-keepalive", "1", "--http-header-timeout", "1"))
