@@ -34,6 +34,9 @@ from router.stream_state import SampleState, StreamState
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
 
+JOIN_WAIT_S = 2.0     # how long a failed request looks for a scheduler it has not tried before it fails
+JOIN_POLL_S = 0.1
+
 
 class RequestError(StatusError):
     """Why the router refused or failed a request; `retry_after`: seconds, for RESOURCE_EXHAUSTED (0: the default);
@@ -168,7 +171,7 @@ class Router:
         start while no response reached the client, else (one sample) resumed after the tokens the client has, so
         that it sees one stream; after that the failure is the client's."""
         log, state = AttemptLog(), new_state()
-        for target in targets:
+        async for target in self.attempt_order(targets, log):
             if log.retry_pending:
                 self.allow_retry(log, observed, resuming=log.sent)
             started_at = self.retries.clock()
@@ -211,6 +214,26 @@ class Router:
             notify_finished(self.policy, upstream.request_id)
         for response in held:
             yield response
+
+    async def attempt_order(self, planned: list[SchedulerInfo], log: AttemptLog) -> AsyncIterator[SchedulerInfo]:
+        """The planned schedulers in turn; then, while a failed request waits for another, any live one of its model
+        that joined since it was planned (a long stream may outlive its plan; just after Redis lost everything the
+        router knows only those that registered again, so it looks for JOIN_WAIT_S)."""
+        tried = set()
+        for target in planned:
+            tried.add(target.scheduler_id)
+            yield target
+        deadline = asyncio.get_running_loop().time() + JOIN_WAIT_S
+        while log.retry_pending and planned:
+            joined = [s for s in self.directory.schedulers()
+                      if s.model == planned[0].model and s.scheduler_id not in tried]
+            if joined:
+                tried.add(joined[0].scheduler_id)
+                yield joined[0]
+            elif asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(JOIN_POLL_S)
+            else:
+                return
 
     def on_attempt_failed(self, target: SchedulerInfo, error: UpstreamError, started_at: float, log: AttemptLog,
                           observed: RequestObservation, resumable: bool) -> None:

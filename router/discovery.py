@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 MAX_PREFIX_LOOKUP_BLOCKS = 512
 # KEYS: block sets of schedulers; ARGV: a prompt's block hashes in order. Per set, how many leading hashes it holds:
 # a chain stops at its first miss. (Plain SISMEMBER: SMISMEMBER needs Redis 6.2, and would test every hash.)
+# KEYS[1]: the registry set; ARGV: ids whose registration was gone. Each leaves the set only if its registration is
+# still gone now: one that registered again in between (after Redis lost everything, say) stays.
+PRUNE_EXPIRED_SCRIPT = """
+for i, scheduler_id in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then redis.call('SREM', KEYS[1], scheduler_id) end
+end
+"""
 LEADING_BLOCKS_SCRIPT = """
 local counts = {}
 for i, key in ipairs(KEYS) do
@@ -60,6 +67,7 @@ class SchedulerDirectory:
         self.redis = (aioredis.from_url(self.redis_url, password=self.redis_password or None, socket_timeout=1.0,
                                         socket_connect_timeout=1.0) if self.redis_url else None)
         self.leading_blocks = self.redis.register_script(LEADING_BLOCKS_SCRIPT) if self.redis else None
+        self.prune_script = self.redis.register_script(PRUNE_EXPIRED_SCRIPT) if self.redis else None
         self.call_metadata = token_metadata(self.cluster_token)
         self.refreshed = asyncio.Event()
 
@@ -151,10 +159,11 @@ class SchedulerDirectory:
         return info
 
     async def prune_expired(self, scheduler_ids: list[str]) -> None:
-        """Registrations expired: their ids leave the registry set. One that beats again in between is gone from
-        the set only until its next beat adds it back."""
+        """Registrations expired: their ids leave the registry set, atomically with a check that each is still
+        gone (one registering again in between stays)."""
         if scheduler_ids:
-            await self.redis.srem(registry_key(self.prefix), *scheduler_ids)
+            keys = [registry_key(self.prefix), *(scheduler_key(i, self.prefix) for i in scheduler_ids)]
+            await self.prune_script(keys=keys, args=scheduler_ids)
 
     async def prefix_matches(self, model: str, block_hashes: list[int]) -> dict[str, int]:
         """How many leading prompt blocks each live scheduler of the model holds: one round trip to Redis.

@@ -224,3 +224,21 @@ def test_malformed_registrations_are_skipped_and_logged_once_while_the_others_ar
                "other-id": "it names the scheduler 'a'"}
     assert {scheduler_id: len(logged) for scheduler_id, logged in warned.items()} == dict.fromkeys(reasons, 1)
     assert all(reasons[scheduler_id] in logged[0] for scheduler_id, logged in warned.items()), warned
+
+
+def test_a_scheduler_registering_again_while_a_reader_prunes_it_stays_in_the_registry_set(redis_url):
+    """After Redis lost everything, a reader that found a registration gone may prune its id just as the scheduler
+    registers again: the id must stay (it would otherwise be out of routing until its next beat)."""
+    client = redis.Redis.from_url(redis_url)
+
+    async def scenario() -> set[bytes]:
+        publisher = registry(redis_url, "back")
+        directory = SchedulerDirectory(redis_url)
+        assert await publisher.beat()
+        await directory.prune_expired(["back"])       # seen gone a moment ago; registered again since
+        members = client.smembers(REGISTRY_SET)
+        for closing in (publisher.close(), directory.close()):
+            await closing
+        return members
+
+    assert asyncio.run(scenario()) == {b"back"}

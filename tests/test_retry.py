@@ -150,11 +150,16 @@ class ScriptedConnection:
 
 
 class NoDirectory:
+    """The schedulers the router knows now: none unless a test says so."""
     def __init__(self):
         self.forgotten: list[str] = []
+        self.live: list[SchedulerInfo] = []
 
     def forget(self, scheduler_id: str) -> None:
         self.forgotten.append(scheduler_id)
+
+    def schedulers(self) -> list[SchedulerInfo]:
+        return self.live
 
 
 def scripted_router(options: RetryOptions, *connections: ScriptedConnection,
@@ -211,6 +216,14 @@ def test_streamed_request_that_sent_tokens_is_resumed_after_them_as_one_stream()
     assert resumed.resumed_token_ids == TOKENS[:2] and not resumed.sampling.HasField("prompt_logprobs")
     assert sample(router, "ferry:router_resumes_total", scheduler_id="s0") == 1
     assert sample(router, "ferry:router_retries_total", scheduler_id="s0") == 0
+
+
+def test_a_stream_whose_plan_ran_out_resumes_on_a_scheduler_that_joined_after_it_was_planned():
+    failing, joined = ScriptedConnection(TOKENS[:2], UNAVAILABLE), ScriptedConnection(TOKENS)
+    router, targets = scripted_router(RetryOptions(), failing, joined)
+    router.directory.live = targets                  # the second registered once the request was on its way
+    assert asyncio.run(run(router, targets[:1], hold=False)) == (TOKENS, None)
+    assert joined.submitted[0].request.resumed_token_ids == TOKENS[:2]
 
 
 def test_a_resumed_stream_that_fails_again_is_resumed_after_all_the_tokens_sent():
