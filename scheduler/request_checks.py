@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from base.prompt_checks import check_fits_context
+from base.prompt_checks import check_fits_context, check_logit_bias_ids
 from base.sampling_params import SamplingParams
 from scheduler.block_manager import BlockManager
 
@@ -28,8 +28,8 @@ def check_new_request(request_id: str, prompt: list[int], params: SamplingParams
     if not prompt:
         raise ValueError("prompt must not be empty")
     check_fits_context(len(prompt), params.max_tokens, max_model_len)
-    if vocab_size and any(t >= vocab_size for t in params.logit_bias):
-        raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size})")
+    if vocab_size:
+        check_logit_bias_ids(params.logit_bias, vocab_size)
     if params.n > max_num_seqs:
         raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
     needed = block_manager.most_blocks_held(len(prompt) + params.max_tokens, max_step_tokens)
