@@ -56,6 +56,12 @@ class EngineConfig:
     stall_timeout: float = field(default=30.0, metadata={
         "help": "seconds the scheduler may wait on its worker (a step, a restart) before it reports NOT_SERVING "
                 "and leaves the registry, until it makes progress again"})
+    structured_output_compile_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a request may wait for its grammar (JSON schema, regex, ...) to compile, counted from when "
+                "xgrammar is loaded; past it the request fails with INVALID_ARGUMENT (HTTP 400)"})
+    structured_output_compile_workers: int = field(default=2, metadata={
+        "help": "grammars compiled at once, those past the timeout included (a compile cannot be stopped): at most "
+                "this many cores compile"})
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -72,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if min(self.step_timeout, self.stall_timeout) <= 0:
             raise ValueError("step_timeout and stall_timeout must be positive")
+        if self.structured_output_compile_timeout <= 0 or self.structured_output_compile_workers < 1:
+            raise ValueError("structured_output_compile_timeout must be positive and structured_output_compile_workers "
+                             "at least 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -90,8 +90,8 @@ class Engine:
         a process of its own."""
         step = self.scheduler.schedule()
         if step is None:
-            if self.scheduler.compiling:   # a grammar is compiling on a thread: leave it the CPU
-                time.sleep(0.001)
+            if self.scheduler.compiling or self.scheduler.structured.rows:
+                time.sleep(0.001)   # a thread compiles a grammar or fills a mask: leave it the CPU
             return []
         result = self.worker.step(step)
         self.last_step_seconds, self.last_idle_seconds = result.forward_seconds, result.idle_seconds

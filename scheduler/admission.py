@@ -5,6 +5,7 @@ scheduler. Seats still free in the running batch don't count as queue: a burst t
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,13 +27,15 @@ class AdmissionLimits:
             raise ValueError("the waiting queue bounds must be at least 1")
 
     def check(self, scheduler: Scheduler, num_prompt_tokens: int) -> None:
-        """Raise QueueFull when one more request of num_prompt_tokens would overflow the queue."""
-        waiting, num_running = scheduler.waiting, len(scheduler.running)
-        queued = len(waiting) + num_running - scheduler.config.max_num_seqs
+        """Raise QueueFull when one more request of num_prompt_tokens would overflow the queue (the requests waiting
+        for their grammar to compile count as queued)."""
+        queue = (scheduler.waiting, scheduler.compiling)
+        num_queued = sum(map(len, queue))
+        queued = num_queued + len(scheduler.running) - scheduler.config.max_num_seqs
         if queued < 0:
             return
         if queued >= self.max_queued_requests:
-            raise QueueFull(f"the scheduler's queue is full ({len(waiting)} requests waiting); retry later")
-        queued_tokens = sum(s.num_tokens - s.num_computed_tokens for s in waiting)
+            raise QueueFull(f"the scheduler's queue is full ({num_queued} requests waiting); retry later")
+        queued_tokens = sum(s.num_tokens - s.num_computed_tokens for s in itertools.chain(*queue))
         if queued_tokens + num_prompt_tokens > self.max_queued_tokens:
             raise QueueFull(f"the scheduler's queue is full ({queued_tokens} prompt tokens waiting); retry later")

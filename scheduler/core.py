@@ -73,7 +73,9 @@ class Scheduler:
         self.in_flight: dict[int, list[ScheduledChunk]] = {}     # built steps whose results are not in, by id
         self.budget = 0                           # tokens left to hand out in the step being scheduled
         self.vocab_size = vocab_size
-        self.structured = StructuredOutputManager(model_path, vocab_size, eos_token_ids)
+        self.structured = StructuredOutputManager(model_path, vocab_size, eos_token_ids,
+                                                  config.structured_output_compile_workers,
+                                                  config.structured_output_compile_timeout)
         self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
 
@@ -128,6 +130,8 @@ class Scheduler:
         self.budget = self.config.max_num_batched_tokens
         if self.compiling:
             self.queue_compiled()
+        if self.structured.rows:
+            self.check_grammars()
         # decodes first, then unfinished prefill chunks: a long prompt never stalls the running decodes
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -140,6 +144,8 @@ class Scheduler:
             if seq.num_pending_tokens and not self.may_run_ahead(seq):
                 continue
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
+            if seq.num_computed_tokens + num_tokens == seq.num_tokens and not self.structured.mask_ready(seq.seq_id):
+                continue   # its grammar's mask for the token it would sample is still being filled
             if not self.make_room(seq, num_tokens):
                 preempted = True
                 continue
@@ -157,15 +163,30 @@ class Scheduler:
             return False
         return seq.num_tokens < self.max_model_len and not self.structured.constrains(seq.seq_id)
 
+    def may_sample(self, seq: Sequence) -> bool:
+        """Whether seq's next token may be sampled now: none is pending and its grammar's mask is filled."""
+        return not seq.num_pending_tokens and self.structured.mask_ready(seq.seq_id)
+
     def queue_compiled(self) -> None:
-        """Sequences whose grammar is ready join the queue; those whose grammar failed end with the reason."""
+        """Sequences whose grammar is ready join the queue once it has caught up with their output (resumed ones);
+        those whose grammar failed end with the reason."""
         compiled, failed = self.structured.collect()
-        for seq in [s for s in self.compiling if s.request_id in compiled]:
-            self.compiling.remove(seq)
-            self.structured.add_sequence(seq.request_id, seq.seq_id, seq.output_token_ids)   # resumed ones
-            self.waiting.append(seq)
         for request_id, reason in failed:
-            self.abort_request(request_id)
+            self.fail(request_id, reason)
+        for seq in [s for s in self.compiling if s.request_id in compiled]:
+            self.structured.add_sequence(seq.request_id, seq.seq_id, seq.output_token_ids)
+        for seq in [s for s in self.compiling if self.structured.is_prepared(s.request_id, s.seq_id)]:
+            self.compiling.remove(seq)
+            self.waiting.append(seq)
+
+    def check_grammars(self) -> None:
+        """Give the grammars' masks a moment (bounded) to be filled; end the requests whose grammar broke."""
+        for seq_id in self.structured.take_broken():
+            self.fail(seq_id.rpartition("/")[0], "a sampled token broke the structured output")
+        self.structured.wait_for_masks()
+
+    def fail(self, request_id: str, reason: str) -> None:
+        if self.abort_request(request_id):
             self.failed.append(RequestOutput(request_id, 0, [], finish_reason="abort", error=reason))
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
@@ -184,7 +205,7 @@ class Scheduler:
             seq = self.waiting[0]
             request = self.requests[seq.request_id]
             seats = self.seats(seq)
-            if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq) or seq.num_pending_tokens:
+            if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq) or not self.may_sample(seq):
                 break
             hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
@@ -294,7 +315,6 @@ class Scheduler:
         seq.token_ids.append(sampled.token_id)
         seq.num_pending_tokens -= 1
         self.counters.generation_tokens += 1
-        refused = self.structured.constrains(seq.seq_id) and not self.structured.accept(seq.seq_id, sampled.token_id)
         output = RequestOutput(seq.request_id, seq.index, [sampled.token_id],
                                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens)
         if sampled.HasField("logprob"):
@@ -303,13 +323,13 @@ class Scheduler:
             output.prompt_logprobs = list(sampled.prompt_logprobs)
         if not request.forked and seq.status is SequenceStatus.RUNNING:   # a preempted one forks once back
             self.fork(request, seq)
-        grammar_done = self.structured.is_terminated(seq.seq_id)
+        grammar_done = self.structured.is_terminated(seq.seq_id, sampled.token_id)
         output.finish_reason, output.stop_token_id = finish_reason(seq, sampled.token_id, self.eos_token_ids,
                                                                    self.max_model_len, grammar_done)
-        if refused:   # never expected: the worker applied this grammar's mask
-            output.finish_reason, output.error = "abort", f"token {sampled.token_id} broke the structured output"
         if output.finish_reason:
             self.finish(seq)
+        elif self.structured.constrains(seq.seq_id):
+            self.structured.accept(seq.seq_id, [sampled.token_id])
         return output
 
     def fork(self, request: Request, first: Sequence) -> None:

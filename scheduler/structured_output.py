@@ -1,192 +1,262 @@
-"""Structured outputs on the scheduler's side (vLLM v1's shape): grammars compiled off the step loop, one matcher
-per sequence advanced with each sampled token, and each step the bitmask of the tokens a constrained sequence may
-sample next, sent to the worker with the step. A request's bad_words (scheduler/bad_words.py) clear bits of the
-same bitmask, so they cost what a grammar does and nothing for the rows without either.
+"""Structured outputs on the scheduler's side (vLLM v1's shape): grammars compiled off the step loop
+(scheduler/grammar_compilation.py), one matcher per sequence advanced with each sampled token, and each step the
+bitmask of the tokens a constrained sequence may sample next, sent to the worker with the step. A request's
+bad_words (scheduler/bad_words.py) clear bits of the same bitmask, so they cost what a grammar does and nothing for
+the rows without either.
 
-xgrammar (and with it torch) is imported in the compile thread, on the first constrained request: a scheduler
-that never sees one never loads it, and the step loop never waits for it.
+Matchers run off the step loop too, so that one grammar cannot slow the other rows: a token is accepted and the
+next mask filled by a task on a small thread pool, and a sequence samples again only once its mask is ready.
+xgrammar's work per token is unbounded (`root ::= ((((((((((((([a-z]*)*)*...` compiles in 5 ms, then takes seconds
+to fill one mask), while a JSON schema's row takes 5 us in the median and up to 11 ms (SmolLM2's vocabulary). So the
+loop waits for the masks being filled, but for no row longer than SLOW_FILL_S: a row whose task runs past that is
+slow from then on (until a task of its own is quick again): its tasks go to a pool of their own, the loop no longer
+waits for it, and it samples whenever its mask is ready. A step so waits at most SLOW_FILL_S for each row that turns
+slow in it, and nothing for the slow ones. A new sequence starts from the mask its grammar's compile made, under the
+compile's time limit.
 """
 from __future__ import annotations
 
-import json
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 from base.structured_output import StructuredOutput
 from protos import worker_pb2
-from scheduler.bad_words import BadWords, bad_word_token_ids
+from scheduler.bad_words import BadWords
+from scheduler.grammar_compilation import CompiledConstraint, GrammarCompilation, next_token_mask, spec_key
 
-GRAMMAR_CACHE_BYTES = 256 << 20     # compiled grammars kept (xgrammar's cache evicts the least recently used)
-COMPILE_THREADS = 2
-
-
-@dataclass
-class Prepared:
-    """What a request's constraints compile to."""
-    grammar: Any = None                     # xgrammar.CompiledGrammar; None: no structured output
-    bad_words: list[tuple[int, ...]] = field(default_factory=list)   # their token ids
+SLOW_FILL_S = 0.02           # a row whose task (accept and fill) takes longer is slow: the steps stop waiting for it
+FILL_THREADS = 2
+SLOW_FILL_THREADS = 1
 
 
 @dataclass
-class GrammarCompilation:
-    """Compiles on a thread pool; builds xgrammar's tokenizer info and compiler once, on first use."""
-    model_path: str
-    vocab_size: int
-    stop_token_ids: list[int]
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile"))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    compiler: Any = None
-    tokenizer: Any = None
-    no_control_chars: Any = None   # numpy int32 bitmask: the tokens without a byte below 0x20
+class Preparation:
+    """What a request waits for before it may join the queue: its grammar (shared by the requests with the same
+    spec) and its bad words' token ids."""
+    submitted_at: float
+    grammar_key: str = ""
+    grammar: Future | None = None       # -> CompiledConstraint
+    bad_words: Future | None = None     # -> list[tuple[int, ...]]
 
-    def submit(self, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = ()) -> Future:
-        return self.executor.submit(self.prepare, constraint, bad_words)
-
-    def prepare(self, constraint: StructuredOutput | None, bad_words: tuple[str, ...]) -> Prepared:
-        self.get_compiler()
-        grammar = self.compile(constraint) if constraint is not None else None
-        return Prepared(grammar, bad_word_token_ids(self.tokenizer, bad_words))
-
-    def compile(self, constraint: StructuredOutput) -> Any:
-        compiler = self.get_compiler()
-        if constraint.kind == "json_schema":
-            # compact JSON: with any whitespace allowed a weak model may spend its whole budget on blanks
-            return compiler.compile_json_schema(constraint.spec, any_whitespace=False)
-        if constraint.kind == "json_object":   # an object, as OpenAI means it (xgrammar's builtin JSON: any value)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if constraint.kind == "regex":
-            return compiler.compile_regex(constraint.spec)
-        if constraint.kind == "grammar":
-            return compiler.compile_grammar(constraint.spec)
-        return compiler.compile_grammar(choice_grammar(constraint.choices))
-
-    def get_compiler(self) -> Any:
-        with self.lock:
-            if self.compiler is None:
-                import xgrammar
-                from transformers import AutoTokenizer
-
-                self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                               stop_token_ids=self.stop_token_ids)
-                self.compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-                self.no_control_chars = control_char_free_bitmask(info.decoded_vocab, self.vocab_size)
-            return self.compiler
-
-    def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+    def done(self) -> bool:
+        return all(f is None or f.done() for f in (self.grammar, self.bad_words))
 
 
-def control_char_free_bitmask(decoded_vocab: list[bytes], vocab_size: int) -> Any:
-    import numpy
+@dataclass
+class Advance:
+    """A task's result: whether the grammar took the tokens, the next mask, and how long it took."""
+    accepted: bool
+    mask: Any
+    seconds: float
 
-    allowed = numpy.zeros((vocab_size + 31) // 32 * 32, dtype=bool)
-    allowed[:len(decoded_vocab)] = [min(token, default=0x20) >= 0x20 for token in decoded_vocab]
-    return numpy.packbits(allowed, bitorder="little").view(numpy.int32)
 
+@dataclass
+class ConstrainedRow:
+    """One sequence's constraints: its grammar's matcher, advanced off the step loop, and its bad words."""
+    matcher: Any = None                  # xgrammar.GrammarMatcher; None: bad words only
+    is_json: bool = False
+    bad_words: BadWords | None = None
+    mask: Any = None                     # numpy int32 row: what the grammar allows next, once known
+    task: Future | None = None           # -> Advance: accepting its new tokens and filling the next mask
+    started_at: float = 0.0              # when the task began running (0: still queued)
+    slow: bool = False                   # its last task took longer than SLOW_FILL_S
+    broken: bool = False                 # the grammar refused a sampled token
 
-def choice_grammar(choices: tuple[str, ...]) -> str:
-    """EBNF for exactly one of the strings (JSON string escapes are xgrammar's EBNF literal escapes)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    def filling(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def filling_longer_than(self, seconds: float, now: float) -> bool:
+        return self.filling() and self.started_at > 0 and now - self.started_at > seconds
 
 
 class StructuredOutputManager:
-    """Grammars by request id, matchers by sequence id. The loop thread polls compilations; nothing here blocks."""
+    """Preparations by request id, constrained rows by sequence id. The loop thread polls the compiles and waits
+    for the masks of the rows that are not slow."""
 
-    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, model_path: str, vocab_size: int, stop_token_ids: list[int], compile_workers: int = 2,
+                 compile_timeout: float = 10.0):
         self.vocab_size = vocab_size
-        self.compilation = GrammarCompilation(model_path, vocab_size, sorted(stop_token_ids))
-        self.compiling: dict[str, Future] = {}      # request id -> its grammar being compiled
-        self.grammars: dict[str, Any] = {}          # request id -> xgrammar.CompiledGrammar
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.compile_timeout = compile_timeout
+        self.compilation = GrammarCompilation(model_path, vocab_size, sorted(stop_token_ids), compile_workers)
+        self.fills = ThreadPoolExecutor(FILL_THREADS, thread_name_prefix="grammar-fill")
+        self.slow_fills = ThreadPoolExecutor(SLOW_FILL_THREADS, thread_name_prefix="grammar-fill-slow")
+        self.preparing: dict[str, Preparation] = {}
+        self.grammars: dict[str, CompiledConstraint] = {}   # request id -> its grammar
         self.json_requests: set[str] = set()
-        self.matchers: dict[str, Any] = {}          # seq id -> xgrammar.GrammarMatcher
-        self.json_seqs: set[str] = set()            # seq ids whose matcher is a JSON grammar
         self.request_bad_words: dict[str, list[tuple[int, ...]]] = {}   # request id -> its bad words' token ids
-        self.bad_words: dict[str, BadWords] = {}     # seq id -> its bad words
+        self.rows: dict[str, ConstrainedRow] = {}
+        self.broken: list[str] = []   # sequences whose grammar refused a sampled token
 
+    # --- compiles ------------------------------------------------------------------------------------
     def submit(self, request_id: str, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = ()) -> None:
-        self.compiling[request_id] = self.compilation.submit(constraint, bad_words)
-        if constraint is not None and constraint.kind in ("json_schema", "json_object"):
-            self.json_requests.add(request_id)
+        preparation = Preparation(time.monotonic())
+        if constraint is not None:
+            preparation.grammar_key = spec_key(constraint)
+            preparation.grammar = self.compilation.grammar(preparation.grammar_key, constraint)
+            if constraint.kind in ("json_schema", "json_object"):
+                self.json_requests.add(request_id)
+        if bad_words:
+            preparation.bad_words = self.compilation.bad_words(bad_words)
+        self.preparing[request_id] = preparation
 
     def collect(self) -> tuple[list[str], list[tuple[str, str]]]:
-        """The requests whose compilation ended since the last call: (compiled, [(failed, reason)])."""
-        compiled, failed = [], []
-        for request_id, future in list(self.compiling.items()):
-            if not future.done():
+        """The requests whose preparation ended since the last call: (ready, [(failed, reason)])."""
+        ready, failed = [], []
+        for request_id, preparation in list(self.preparing.items()):
+            if preparation.done():
+                reason = self.take(request_id, preparation)
+            elif self.past_deadline(preparation):
+                reason = (f"the structured output did not compile within {self.compile_timeout:g} s "
+                          "(--structured-output-compile-timeout)")
+            else:
                 continue
-            del self.compiling[request_id]
-            try:
-                prepared = future.result()
-                if prepared.grammar is not None:
-                    self.grammars[request_id] = prepared.grammar
-                if prepared.bad_words:
-                    self.request_bad_words[request_id] = prepared.bad_words
-                compiled.append(request_id)
-            except Exception as e:   # xgrammar reports a bad schema/regex/grammar as RuntimeError or ValueError
-                failed.append((request_id, f"the structured output could not be compiled: {e}"))
-        return compiled, failed
+            self.end_preparation(request_id)
+            if reason:
+                failed.append((request_id, reason))
+            else:
+                ready.append(request_id)
+        return ready, failed
 
+    def take(self, request_id: str, preparation: Preparation) -> str:
+        """Keep what the request's preparation made; the reason it failed, or ""."""
+        try:
+            if preparation.grammar is not None:
+                self.grammars[request_id] = preparation.grammar.result()
+            if preparation.bad_words is not None and (bad_words := preparation.bad_words.result()):
+                self.request_bad_words[request_id] = bad_words
+        except Exception as e:   # xgrammar reports a bad schema/regex/grammar as RuntimeError or ValueError
+            return f"the structured output could not be compiled: {e}"
+        return ""
+
+    def past_deadline(self, preparation: Preparation) -> bool:
+        """Whether the request has waited longer than the time limit, counted from when xgrammar was loaded."""
+        loaded_at = self.compilation.loaded_at
+        if loaded_at is None:
+            return False
+        return time.monotonic() - max(loaded_at, preparation.submitted_at) > self.compile_timeout
+
+    def end_preparation(self, request_id: str) -> None:
+        preparation = self.preparing.pop(request_id)
+        if preparation.grammar is not None:
+            self.compilation.cache.release(preparation.grammar_key)
+        if preparation.bad_words is not None:
+            preparation.bad_words.cancel()
+
+    # --- sequences -----------------------------------------------------------------------------------
     def add_sequence(self, request_id: str, seq_id: str, token_ids: list[int] = ()) -> None:
-        """A matcher (and bad words) at the start of the output, advanced through the output tokens already known."""
+        """A row at the start of the output, then advanced through the output tokens already known (resumed)."""
+        if request_id not in self.grammars and request_id not in self.request_bad_words:
+            return
+        row = self.rows[seq_id] = ConstrainedRow(is_json=request_id in self.json_requests)
         if request_id in self.request_bad_words:
-            self.bad_words[seq_id] = BadWords(self.request_bad_words[request_id])
+            row.bad_words = BadWords(self.request_bad_words[request_id])
         if request_id in self.grammars:
             import xgrammar
 
-            self.matchers[seq_id] = xgrammar.GrammarMatcher(self.grammars[request_id])
-            if request_id in self.json_requests:
-                self.json_seqs.add(seq_id)
-        for token_id in token_ids:
-            self.accept(seq_id, token_id)
+            row.matcher = xgrammar.GrammarMatcher(self.grammars[request_id].grammar)
+            row.mask = self.grammars[request_id].first_mask
+        if token_ids:
+            self.accept(seq_id, list(token_ids))
 
     def constrains(self, seq_id: str) -> bool:
-        return seq_id in self.matchers or seq_id in self.bad_words
+        return seq_id in self.rows
 
-    def accept(self, seq_id: str, token_id: int) -> bool:
-        """Advance seq's matcher; False if the grammar refused the token (it never should: the mask allowed it)."""
-        if seq_id in self.bad_words:
-            self.bad_words[seq_id].accept(token_id)
-        return seq_id not in self.matchers or self.matchers[seq_id].accept_token(token_id)
+    def is_prepared(self, request_id: str, seq_id: str) -> bool:
+        """Whether a sequence added to the manager may join the queue: its request compiled, its mask filled."""
+        return request_id not in self.preparing and self.mask_ready(seq_id)
 
-    def is_terminated(self, seq_id: str) -> bool:
-        matcher = self.matchers.get(seq_id)
-        return matcher is not None and matcher.is_terminated()
+    def accept(self, seq_id: str, token_ids: list[int]) -> None:
+        """Advance seq's constraints past its new tokens (the grammar's part as a task). Never called while a task
+        runs: a sequence whose mask is not ready samples no token."""
+        row = self.rows[seq_id]
+        for token_id in token_ids if row.bad_words is not None else ():
+            row.bad_words.accept(token_id)
+        if row.matcher is not None:
+            row.mask, row.started_at = None, 0.0
+            row.task = (self.slow_fills if row.slow else self.fills).submit(self.advance, row, token_ids)
+
+    def advance(self, row: ConstrainedRow, token_ids: list[int]) -> Advance:
+        """On a fill thread: the grammar takes the tokens and says what may follow."""
+        row.started_at = start = time.monotonic()
+        try:
+            accepted = all(row.matcher.accept_token(token_id) for token_id in token_ids)
+            mask = next_token_mask(row.matcher, self.vocab_size) if accepted else None
+        except Exception:   # xgrammar's error on a state it cannot go on from: as if the grammar refused
+            accepted, mask = False, None
+        return Advance(accepted, mask, time.monotonic() - start)
+
+    def is_terminated(self, seq_id: str, token_id: int) -> bool:
+        """Whether the token ends seq's grammar: a stop token its mask allowed (only where the grammar may end)."""
+        row = self.rows.get(seq_id)
+        return row is not None and row.matcher is not None and token_id in self.stop_token_ids
+
+    # --- masks ---------------------------------------------------------------------------------------
+    def wait_for_masks(self) -> None:
+        """Wait for the tasks of the rows that are not slow; a row whose task has run longer than SLOW_FILL_S turns
+        slow. Rows queued behind slow tasks are not waited for past SLOW_FILL_S (they sample in a later step)."""
+        while pending := [row for row in self.rows.values() if row.filling() and not row.slow]:
+            done, _ = wait([row.task for row in pending], timeout=SLOW_FILL_S)
+            now = time.monotonic()
+            turned_slow = [row for row in pending if row.filling_longer_than(SLOW_FILL_S, now)]
+            for row in turned_slow:
+                row.slow = True
+            if not done and not turned_slow:
+                return
+
+    def mask_ready(self, seq_id: str) -> bool:
+        """Whether seq may sample: not constrained, or its constraints know what it may sample next."""
+        row = self.rows.get(seq_id)
+        if row is None:
+            return True
+        if row.task is not None and row.task.done():
+            self.take_advance(seq_id, row)
+        return row.task is None and not row.broken and (row.matcher is None or row.mask is not None)
+
+    def take_advance(self, seq_id: str, row: ConstrainedRow) -> None:
+        advance, row.task = row.task.result(), None
+        row.mask, row.slow = advance.mask, advance.seconds > SLOW_FILL_S
+        if not advance.accepted:
+            row.broken = True
+            self.broken.append(seq_id)
+
+    def take_broken(self) -> list[str]:
+        """The sequences whose grammar refused a sampled token since the last call (never expected: the worker
+        applied the grammar's mask)."""
+        broken, self.broken = self.broken, []
+        return broken
 
     def bitmasks(self, seq_ids: list[str]) -> list[worker_pb2.TokenBitmask]:
-        """The allowed next tokens of each sequence, as the worker applies them."""
+        """The allowed next tokens of each sequence, as the worker applies them (each one's mask is ready)."""
         if not seq_ids:
             return []
-        import xgrammar
+        import numpy
 
-        masks = xgrammar.allocate_token_bitmask(len(seq_ids), self.vocab_size)   # all allowed
-        for row, seq_id in enumerate(seq_ids):
-            if seq_id in self.matchers:
-                self.matchers[seq_id].fill_next_token_bitmask(masks, row)
-        rows = masks.numpy()
-        for row, seq_id in enumerate(seq_ids):
-            if seq_id in self.json_seqs:
+        words = (self.vocab_size + 31) // 32
+        masks = numpy.full((len(seq_ids), words), -1, dtype=numpy.int32)   # all allowed
+        for i, seq_id in enumerate(seq_ids):
+            row = self.rows[seq_id]
+            if row.mask is not None:
+                masks[i] = row.mask
+                row.mask = None   # this token's: the next one needs the token sampled now
+            if row.is_json:
                 # xgrammar 0.2.8 lets a length-bounded JSON string (maxLength) hold raw control characters,
                 # which JSON forbids; compact JSON needs none outside strings either
-                rows[row] &= self.compilation.no_control_chars
-            if seq_id in self.bad_words:
-                clear_bits(rows[row], self.bad_words[seq_id].banned_next())
-        return [worker_pb2.TokenBitmask(seq_id=seq_id, bits=rows[i].tobytes()) for i, seq_id in enumerate(seq_ids)]
+                masks[i] &= self.compilation.no_control_chars
+            if row.bad_words is not None:
+                clear_bits(masks[i], row.bad_words.banned_next())
+        return [worker_pb2.TokenBitmask(seq_id=seq_id, bits=masks[i].tobytes()) for i, seq_id in enumerate(seq_ids)]
 
     def free(self, request_id: str, seq_ids: list[str]) -> None:
-        future = self.compiling.pop(request_id, None)
-        if future is not None:
-            future.cancel()
+        if request_id in self.preparing:
+            self.end_preparation(request_id)
         self.grammars.pop(request_id, None)
         self.json_requests.discard(request_id)
         self.request_bad_words.pop(request_id, None)
         for seq_id in seq_ids:
-            self.matchers.pop(seq_id, None)
-            self.json_seqs.discard(seq_id)
-            self.bad_words.pop(seq_id, None)
+            self.rows.pop(seq_id, None)
 
 
 def clear_bits(row: Any, token_ids: list[int]) -> None:

@@ -7,8 +7,10 @@ import pytest
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
+from base.structured_output import StructuredOutput
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
+from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
 
@@ -104,6 +106,19 @@ def test_admission_is_first_come_first_served_under_max_num_seqs():
     assert [s.request_id for s in scheduler.waiting] == ["c"]
     run_to_end(scheduler, worker)
     assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_requests_waiting_for_their_grammar_count_against_the_queue_bound():
+    scheduler, limits = make_scheduler(max_num_seqs=1), AdmissionLimits(max_queued_requests=2)
+    constrained = SamplingParams(max_tokens=3, structured_output=StructuredOutput("regex", "[ab]+"))
+    for name in "abc":   # one free seat and two places in the queue
+        limits.check(scheduler, 4)
+        scheduler.add_request(name, [5, 6, 7, 8], constrained)
+    assert [s.request_id for s in scheduler.compiling] == ["a", "b", "c"] and not scheduler.waiting
+    with pytest.raises(QueueFull, match="3 requests waiting"):   # the service answers RESOURCE_EXHAUSTED
+        limits.check(scheduler, 4)
+    with pytest.raises(QueueFull, match="12 prompt tokens waiting"):
+        AdmissionLimits(max_queued_tokens=12).check(scheduler, 4)
 
 
 def test_n_samples_count_as_n_against_max_num_seqs():

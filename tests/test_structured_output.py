@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import jsonschema
@@ -14,12 +17,20 @@ from transformers import AutoTokenizer
 from base.sampling_params import SamplingParams
 from base.structured_output import StructuredOutput
 from protos import common_pb2, router_pb2
+from scheduler import grammar_compilation
+from scheduler.grammar_compilation import GrammarCache
 from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 from tests.services_fixtures import collect, greedy, start_services
 
 __all__ = ["hf_model"]   # the shared fixture
 
 EOS = 2   # the tiny tokenizer's <|im_end|>
+COMPILE_TIMEOUT_S = 1.0   # the services' --structured-output-compile-timeout
+# xgrammar compiles an object's optional properties in time cubic in their number: 2.4 s here for 1000
+COMPILE_BOMB = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(1200)}})
+# compiles in a millisecond; then each mask takes longer than the one before (the tiny model's 4th to 7th: 0.04,
+# 0.14, 0.3 and 0.6 s)
+FILL_BOMB = "root ::= " + "(" * 60 + "[a-z]*" + ")*" * 60
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -211,9 +222,85 @@ def test_bitmask_unpacking_masks_exactly_what_xgrammar_masks():
     assert torch.equal(ours, expected)
 
 
+def test_requests_with_the_same_spec_share_one_compile(tiny_llama_dir, monkeypatch):
+    compiled = []
+    compile_spec = grammar_compilation.compile_spec
+    monkeypatch.setattr(grammar_compilation, "compile_spec", lambda compiler, c: compiled.append(c) or
+                        compile_spec(compiler, c))
+    engine = tiny_engine(tiny_llama_dir)
+    first = engine.generate(["The quick brown", "Paris is", "The quick brown"],
+                            [constrained("json_schema"), constrained("json_schema"), constrained("regex")])
+    again = engine.generate(["The quick brown"], constrained("json_schema"))   # after the others ended: cached
+    assert compiled == [CONSTRAINTS["json_schema"], CONSTRAINTS["regex"]]
+    assert again[0].token_ids == first[0].token_ids
+    assert all(r.finish_reason == "stop" for r in first + again)
+
+
+def test_a_schema_pattern_with_a_long_counted_repetition_compiles(tiny_llama_dir):
+    """xgrammar 0.2.8's cache fails this compile (an internal check): it is compiled again without it."""
+    schema = {"type": "string", "pattern": "^[a-z]{1,300}$"}
+    engine = tiny_engine(tiny_llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput("json_schema",
+                                                                                              json.dumps(schema)))
+    result = engine.generate(["The quick brown"], params)[0]
+    assert result.finish_reason in ("stop", "length")
+    assert re.fullmatch(r'"[a-z]*', result.text)
+
+
+def test_a_grammar_slow_to_fill_does_not_slow_the_rows_beside_it(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    engine.generate(["hi"], constrained("regex", max_tokens=2))   # xgrammar loaded, the model warm
+    engine.add_request("bomb", [5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, structured_output=StructuredOutput("grammar", FILL_BOMB)))
+    bomb_tokens = []
+    while len(bomb_tokens) < 3:
+        bomb_tokens += [t for o in engine.step() for t in o.new_token_ids]
+    engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    step_seconds, finished = [], []
+    while engine.has_unfinished_requests():
+        start = time.monotonic()
+        outputs = engine.step()
+        step_seconds.append(time.monotonic() - start)
+        finished += [o.request_id for o in outputs if o.finish_reason]
+        bomb_tokens += [t for o in outputs if o.request_id == "bomb" for t in o.new_token_ids]
+    assert finished == ["plain", "bomb"]   # its 24 tokens came while the bomb's masks were being filled
+    assert max(step_seconds) < 0.3
+    assert len(bomb_tokens) == 8 and re.fullmatch("[a-z]+", engine.tokenizer.decode(bomb_tokens))
+
+
+@dataclass
+class FakeGrammar:
+    nbytes: int
+
+
+def done(nbytes: int) -> Future:
+    future = Future()
+    future.set_result(FakeGrammar(nbytes))
+    return future
+
+
+def test_the_grammar_cache_keeps_what_is_in_use_and_evicts_the_least_recently_used_past_its_bound():
+    cache = GrammarCache(max_bytes=250)
+    for key in "abc":
+        cache.acquire(key, lambda: done(100))
+    cache.release("a")
+    cache.release("b")
+    assert list(cache.entries) == ["a", "b", "c"]     # 200 bytes unused, "c" in use
+    cache.release("c")                                 # 300: the least recently used goes
+    assert list(cache.entries) == ["b", "c"] and cache.num_bytes == 200
+    assert cache.acquire("b", lambda: done(100)).result().nbytes == 100 and cache.num_compiles == 3
+    with ThreadPoolExecutor(1) as pool:
+        gate = pool.submit(time.sleep, 0.5)
+        queued = cache.acquire("d", lambda: pool.submit(FakeGrammar, 100))
+        cache.release("d")                             # nobody waits for it and it has not started: dropped
+        assert queued.cancelled() and "d" not in cache.entries
+        gate.result()
+
+
 @pytest.fixture(scope="module")
 def services(tiny_llama_dir):
-    stack = start_services(tiny_llama_dir, num_schedulers=1)
+    stack = start_services(tiny_llama_dir, num_schedulers=1,
+                           **{"--structured-output-compile-timeout": str(COMPILE_TIMEOUT_S)})
     yield stack
     stack.stop()
 
@@ -232,3 +319,20 @@ def test_router_generate_serves_constraints_and_refuses_a_bad_one_with_the_reaso
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "could not be compiled" in error.value.details()
     assert collect(services.router().Generate(request))[0] == expected.token_ids   # and it serves on
+
+
+def test_a_grammar_bomb_gets_invalid_argument_naming_the_time_limit_while_a_request_beside_it_is_served(
+        services, tiny_llama_dir):
+    bomb = router_pb2.GenerateRequest(text="hello", sampling=greedy(8, structured_output=common_pb2.StructuredOutput(
+        json_schema=COMPILE_BOMB)))
+    regex = common_pb2.StructuredOutput(regex=CONSTRAINTS["regex"].spec)
+    beside = router_pb2.GenerateRequest(text="The quick brown", sampling=greedy(96, structured_output=regex))
+    with ThreadPoolExecutor(2) as pool:
+        bombed = pool.submit(lambda: collect(services.router().Generate(bomb, timeout=60)))
+        served = pool.submit(lambda: collect(services.router().Generate(beside, timeout=60)))
+        with pytest.raises(grpc.RpcError) as error:
+            bombed.result()
+        token_ids = served.result()[0]
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--structured-output-compile-timeout" in error.value.details()
+    assert token_ids == tiny_engine(tiny_llama_dir).generate(["The quick brown"], constrained("regex"))[0].token_ids
