@@ -58,7 +58,8 @@ class EngineConfig:
                 "and leaves the registry, until it makes progress again"})
     structured_output_compile_timeout: float = field(default=10.0, metadata={
         "help": "seconds a request may wait for its grammar (JSON schema, regex, ...) to compile, counted from when "
-                "xgrammar is loaded; past it the request fails with INVALID_ARGUMENT (HTTP 400)"})
+                "xgrammar is loaded, and the longest its grammar may take to find the tokens allowed after one; past "
+                "it the request fails with INVALID_ARGUMENT (HTTP 400)"})
     structured_output_compile_workers: int = field(default=2, metadata={
         "help": "grammars compiled at once, those past the timeout included (a compile cannot be stopped): at most "
                 "this many cores compile"})

@@ -171,8 +171,8 @@ class Scheduler:
         """Sequences whose grammar is ready join the queue once it has caught up with their output (resumed ones);
         those whose grammar failed end with the reason."""
         compiled, failed = self.structured.collect()
-        for request_id, reason in failed:
-            self.fail(request_id, reason)
+        for failure in failed:
+            self.fail(failure.request_id, failure.reason, failure.overloaded)
         for seq in [s for s in self.compiling if s.request_id in compiled]:
             self.structured.add_sequence(seq.request_id, seq.seq_id, seq.output_token_ids)
         for seq in [s for s in self.compiling if self.structured.is_prepared(s.request_id, s.seq_id)]:
@@ -181,13 +181,14 @@ class Scheduler:
 
     def check_grammars(self) -> None:
         """Give the grammars' masks a moment (bounded) to be filled; end the requests whose grammar broke."""
-        for seq_id in self.structured.take_broken():
-            self.fail(seq_id.rpartition("/")[0], "a sampled token broke the structured output")
+        for seq_id, reason in self.structured.take_broken():
+            self.fail(seq_id.rpartition("/")[0], reason)
         self.structured.wait_for_masks()
 
-    def fail(self, request_id: str, reason: str) -> None:
+    def fail(self, request_id: str, reason: str, overloaded: bool = False) -> None:
         if self.abort_request(request_id):
-            self.failed.append(RequestOutput(request_id, 0, [], finish_reason="abort", error=reason))
+            self.failed.append(RequestOutput(request_id, 0, [], finish_reason="abort", error=reason,
+                                             overloaded=overloaded))
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""

@@ -261,9 +261,10 @@ class EngineLoop:
     def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self.streams.get(out.request_id)
-            if stream is not None and out.error:   # e.g. its grammar did not compile: the request's fault
+            if stream is not None and out.error:   # e.g. its grammar did not compile
                 self.streams.pop(out.request_id)
-                stream.put(StatusError(grpc.StatusCode.INVALID_ARGUMENT, out.error))
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if out.overloaded else grpc.StatusCode.INVALID_ARGUMENT
+                stream.put(StatusError(code, out.error))
             elif stream is not None:
                 stream.put(out)
 

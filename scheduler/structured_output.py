@@ -12,7 +12,9 @@ loop waits for the masks being filled, but for no row longer than SLOW_FILL_S: a
 slow from then on (until a task of its own is quick again): its tasks go to a pool of their own, the loop no longer
 waits for it, and it samples whenever its mask is ready. A step so waits at most SLOW_FILL_S for each row that turns
 slow in it, and nothing for the slow ones. A new sequence starts from the mask its grammar's compile made, under the
-compile's time limit.
+compile's time limit. The same limit bounds one token's task: a grammar whose masks take longer each token (the
+nested stars above double) fails its request then, so the slow pool's thread is lost to it for about that long
+only (a fill cannot be stopped either).
 """
 from __future__ import annotations
 
@@ -45,6 +47,13 @@ class Preparation:
 
 
 @dataclass
+class PreparationFailure:
+    request_id: str
+    reason: str                 # "" when it did not fail
+    overloaded: bool = False    # not the request's fault: the compile threads were busy
+
+
+@dataclass
 class Advance:
     """A task's result: whether the grammar took the tokens, the next mask, and how long it took."""
     accepted: bool
@@ -62,7 +71,7 @@ class ConstrainedRow:
     task: Future | None = None           # -> Advance: accepting its new tokens and filling the next mask
     started_at: float = 0.0              # when the task began running (0: still queued)
     slow: bool = False                   # its last task took longer than SLOW_FILL_S
-    broken: bool = False                 # the grammar refused a sampled token
+    broken: bool = False                 # the grammar refused a sampled token, or its task ran too long
 
     def filling(self) -> bool:
         return self.task is not None and not self.task.done()
@@ -88,7 +97,7 @@ class StructuredOutputManager:
         self.json_requests: set[str] = set()
         self.request_bad_words: dict[str, list[tuple[int, ...]]] = {}   # request id -> its bad words' token ids
         self.rows: dict[str, ConstrainedRow] = {}
-        self.broken: list[str] = []   # sequences whose grammar refused a sampled token
+        self.broken: list[tuple[str, str]] = []   # (sequence, why) whose grammar refused a token or ran too long
 
     # --- compiles ------------------------------------------------------------------------------------
     def submit(self, request_id: str, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = ()) -> None:
@@ -102,23 +111,31 @@ class StructuredOutputManager:
             preparation.bad_words = self.compilation.bad_words(bad_words)
         self.preparing[request_id] = preparation
 
-    def collect(self) -> tuple[list[str], list[tuple[str, str]]]:
-        """The requests whose preparation ended since the last call: (ready, [(failed, reason)])."""
+    def collect(self) -> tuple[list[str], list[PreparationFailure]]:
+        """The requests whose preparation ended since the last call: ready, and failed."""
         ready, failed = [], []
         for request_id, preparation in list(self.preparing.items()):
             if preparation.done():
-                reason = self.take(request_id, preparation)
+                failure = PreparationFailure(request_id, self.take(request_id, preparation))
             elif self.past_deadline(preparation):
-                reason = (f"the structured output did not compile within {self.compile_timeout:g} s "
-                          "(--structured-output-compile-timeout)")
+                failure = self.timed_out(request_id, preparation)
             else:
                 continue
             self.end_preparation(request_id)
-            if reason:
-                failed.append((request_id, reason))
+            if failure.reason:
+                failed.append(failure)
             else:
                 ready.append(request_id)
         return ready, failed
+
+    def timed_out(self, request_id: str, preparation: Preparation) -> PreparationFailure:
+        """A compile that ran past the limit is the spec's fault; one that never got a compile thread (all busy with
+        others, bombs maybe) is the scheduler's load."""
+        if preparation.grammar is not None and not preparation.grammar.running():
+            return PreparationFailure(request_id, f"the structured output waited {self.compile_timeout:g} s for a "
+                                      "compile thread, all busy with other grammars; retry later", overloaded=True)
+        return PreparationFailure(request_id, f"the structured output did not compile within "
+                                  f"{self.compile_timeout:g} s (--structured-output-compile-timeout)")
 
     def take(self, request_id: str, preparation: Preparation) -> str:
         """Keep what the request's preparation made; the reason it failed, or ""."""
@@ -218,13 +235,21 @@ class StructuredOutputManager:
     def take_advance(self, seq_id: str, row: ConstrainedRow) -> None:
         advance, row.task = row.task.result(), None
         row.mask, row.slow = advance.mask, advance.seconds > SLOW_FILL_S
-        if not advance.accepted:
-            row.broken = True
-            self.broken.append(seq_id)
+        if not advance.accepted:   # never expected: the worker applied the grammar's mask
+            self.break_row(seq_id, row, "a sampled token broke the structured output")
 
-    def take_broken(self) -> list[str]:
-        """The sequences whose grammar refused a sampled token since the last call (never expected: the worker
-        applied the grammar's mask)."""
+    def break_row(self, seq_id: str, row: ConstrainedRow, reason: str) -> None:
+        row.broken = True
+        self.broken.append((seq_id, reason))
+
+    def take_broken(self) -> list[tuple[str, str]]:
+        """The sequences, and why, whose grammar refused a sampled token or took longer than the time limit to
+        fill one token's mask, since the last call."""
+        now = time.monotonic()
+        for seq_id, row in self.rows.items():
+            if not row.broken and row.filling_longer_than(self.compile_timeout, now):
+                self.break_row(seq_id, row, f"the structured output took over {self.compile_timeout:g} s to find "
+                               "the tokens allowed next (--structured-output-compile-timeout)")
         broken, self.broken = self.broken, []
         return broken
 

@@ -19,6 +19,7 @@ from base.structured_output import StructuredOutput
 from protos import common_pb2, router_pb2
 from scheduler import grammar_compilation
 from scheduler.grammar_compilation import GrammarCache
+from scheduler.structured_output import StructuredOutputManager
 from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 from tests.services_fixtures import collect, greedy, start_services
 
@@ -268,6 +269,25 @@ def test_a_grammar_slow_to_fill_does_not_slow_the_rows_beside_it(tiny_llama_dir)
     assert len(bomb_tokens) == 8 and re.fullmatch("[a-z]+", engine.tokenizer.decode(bomb_tokens))
 
 
+def test_a_grammar_whose_masks_take_longer_than_the_time_limit_fails_its_request_and_frees_its_blocks(
+        tiny_llama_dir):
+    """The fill bomb's masks double in time each token: past the limit (0.3 s, about its 5th) it fails with the
+    reason, well before its 30 tokens, and the request beside it is served whole."""
+    engine = tiny_engine(tiny_llama_dir, structured_output_compile_timeout=0.3)
+    engine.add_request("bomb", [5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, structured_output=StructuredOutput("grammar", FILL_BOMB)))
+    engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outputs, deadline = [], time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        outputs += engine.step()
+    bomb = [o for o in outputs if o.request_id == "bomb"]
+    assert bomb[-1].finish_reason == "abort" and "--structured-output-compile-timeout" in bomb[-1].error
+    assert sum(len(o.new_token_ids) for o in bomb) < 30
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "plain") == 24
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+
+
 @dataclass
 class FakeGrammar:
     nbytes: int
@@ -295,6 +315,24 @@ def test_the_grammar_cache_keeps_what_is_in_use_and_evicts_the_least_recently_us
         cache.release("d")                             # nobody waits for it and it has not started: dropped
         assert queued.cancelled() and "d" not in cache.entries
         gate.result()
+
+
+def test_a_request_left_waiting_for_a_compile_thread_is_overload_not_a_bad_spec(tiny_llama_dir):
+    """One compile thread, busy with a bomb past the time limit: the bomb is the spec's fault (INVALID_ARGUMENT),
+    the small regex queued behind it the scheduler's load (RESOURCE_EXHAUSTED, retry later)."""
+    manager = StructuredOutputManager(str(tiny_llama_dir), 512, [EOS], compile_workers=1, compile_timeout=0.5)
+    manager.submit("bomb", StructuredOutput("json_schema", COMPILE_BOMB))
+    manager.submit("small", CONSTRAINTS["regex"])
+    failed, deadline = [], time.monotonic() + 60
+    while len(failed) < 2 and time.monotonic() < deadline:
+        ready, new = manager.collect()
+        assert ready == []
+        failed += new
+        time.sleep(0.05)
+    manager.compilation.shutdown()
+    by_id = {f.request_id: f for f in failed}
+    assert not by_id["bomb"].overloaded and "--structured-output-compile-timeout" in by_id["bomb"].reason
+    assert by_id["small"].overloaded and "retry later" in by_id["small"].reason
 
 
 @pytest.fixture(scope="module")
