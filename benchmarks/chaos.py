@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from base.cluster_auth import token_metadata
-from benchmarks.chaos_faults import Fault, poison_token
+from benchmarks.chaos_faults import Fault, constrained_request, poison_token
 from benchmarks.served_stack import ServedStack
 from ferry.launcher import free_port
 from gpu_worker.fault import CRASH_ON_TOKEN_ENV
@@ -173,6 +173,8 @@ def run(model: str, faults: list[Fault], clients: int = 8, max_tokens: int = 64,
         stack.poison_token, stack.http_port, stack.notes = poison, http_port, {}
         stack.wait_ready(2)
         reference = {i: Load(stack, 1, max_tokens, deadline_s).request(i).token_ids for i in range(len(PROMPTS))}
+        for _ in range(2):   # round robin: both schedulers load xgrammar before any RSS is measured
+            constrained_request(stack, common_pb2.StructuredOutput(regex="[a-z]+"), 2)
         return [run_scenario(stack, fault, reference, clients, max_tokens, warm_s, tail_s, deadline_s)
                 for fault in faults]
 

@@ -72,6 +72,37 @@ def long_prompts_with_logprobs(num_tokens: int, count: int = 3) -> Callable[[Ser
     return send
 
 
+def grammar_bombs(num_properties: int, compiles: int = 3, fills: int = 1) -> Callable[[ServedStack], None]:
+    """Structured outputs built to be slow, among the load: JSON schemas of num_properties optional properties
+    (xgrammar's compile is cubic in their number; each schema distinct, so none is cached) that must fail at the
+    compile time limit with INVALID_ARGUMENT, and a grammar of nested stars that compiles at once but fills each
+    token's mask slowly, which may delay its own request only."""
+    def schema(salt: int) -> str:
+        properties = ", ".join(f'"p{salt}_{i}": {{"type": "integer"}}' for i in range(num_properties))
+        return f'{{"type": "object", "properties": {{{properties}}}}}'
+
+    def send(stack: ServedStack) -> None:
+        bombs = [common_pb2.StructuredOutput(json_schema=schema(i)) for i in range(compiles)]
+        stars = "root ::= " + "(" * 60 + "[a-z]*" + ")*" * 60
+        bombs += [common_pb2.StructuredOutput(grammar=stars)] * fills
+        with ThreadPoolExecutor(len(bombs)) as pool:
+            codes = list(pool.map(lambda constraint: constrained_request(stack, constraint, 16), bombs))
+        stack.notes[f"{compiles} compile bombs"] = codes[:compiles]
+        stack.notes[f"{fills} slow-fill grammars"] = codes[compiles:]
+    return send
+
+
+def constrained_request(stack: ServedStack, constraint: common_pb2.StructuredOutput, max_tokens: int) -> str:
+    """A request under the constraint: its status code's name."""
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured_output=constraint)
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[10, 11, 12]), sampling=sampling)
+    try:
+        list(router_pb2_grpc.RouterStub(stack.channel).Generate(request, timeout=300))
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+
+
 @dataclass
 class SlowClients:
     """HTTP connections that send their headers a byte at a time (slowloris); how many the router cut."""
@@ -114,12 +145,13 @@ def cut(conn: socket.socket) -> bool:
 
 
 def scenarios(stop_s: float = 10.0, redis_down_s: float = 30.0, slow_s: float = 12.0,
-              long_prompt_tokens: int = 8000) -> list[Fault]:
+              long_prompt_tokens: int = 8000, bomb_properties: int = 2000) -> list[Fault]:
     slow = SlowClients(64)
     return [Fault("kill worker", signal_worker(signal.SIGKILL)),
             Fault("query of death", query_of_death),
             Fault(f"slowloris: 64 clients, {slow_s:g} s", slow.open, slow.close, slow_s),
             Fault("long prompts with logprobs", long_prompts_with_logprobs(long_prompt_tokens)),
+            Fault("grammar bombs", grammar_bombs(bomb_properties)),
             Fault("kill scheduler", signal_victim(signal.SIGKILL)),
             Fault(f"stop scheduler {stop_s:g} s", signal_victim(signal.SIGSTOP), signal_victim(signal.SIGCONT),
                   stop_s),
