@@ -1,7 +1,8 @@
 """OpenAI API request bodies, validated by pydantic, and their mapping onto Ferry's GenerateRequest.
 
 Only bounds the wire needs are checked here (a negative max_tokens cannot become a uint32); the meaning of each
-value (top_p in (0, 1], n >= 1, ...) is checked once, by base.sampling_params in the router's request path.
+value (top-p in (0, 1], at least one sample, ...) is checked once, by base.sampling_params in the router's request
+path.
 The sampling fields are base.sampling_params.SamplingParams's: each is an HTTP field of its name and wire type,
 except the few the APIs spell their own way (OWN_FIELDS).
 """
