@@ -1,8 +1,18 @@
-"""Sampling parameters: one resolved, validated form shared by router, scheduler and worker."""
+"""Sampling parameters: one resolved, validated form shared by router, scheduler and worker.
+
+The dataclass below is the one declaration of the sampling fields: their names, types and defaults. The wire's
+message (protos/common.proto's SamplingParams) carries the same fields, one for one, and the conversion both ways
+(from_proto, to_proto), the HTTP APIs' fields (router/http/schema.py) and the finite-number check are derived from
+it. Adding a field is a line here, its line in the message, its check in validate() and the code that honours it.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import MutableMapping, MutableSequence
+from dataclasses import InitVar, dataclass, field, fields
+from typing import get_args, get_type_hints
+
+from google.protobuf.message import Message
 
 from base.structured_output import StructuredOutput
 from protos import common_pb2
@@ -16,7 +26,6 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0   # OpenAI's bound
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -41,9 +50,11 @@ class SamplingParams:
     min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens are out
     bad_words: tuple[str, ...] = ()     # no token sequence spelling one of these is sampled (vLLM's bad_words)
     prompt_logprobs: int | None = None  # k: each prompt token's logprob and the top k (the first token has none)
+    trusted: InitVar[bool] = False      # its values were validated where the request arrived: not checked again
 
-    def __post_init__(self) -> None:
-        self.validate()
+    def __post_init__(self, trusted: bool) -> None:
+        if not trusted:
+            self.validate()
 
     @property
     def greedy(self) -> bool:
@@ -106,45 +117,64 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative")
 
     @classmethod
-    def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
-        """Resolve unset optional fields to their defaults; raises ValueError on bad values."""
-        kwargs: dict = {
-            "stop": tuple(msg.stop),
-            "stop_token_ids": tuple(msg.stop_token_ids),
-            "ignore_eos": msg.ignore_eos,
-            "include_stop_str_in_output": msg.include_stop_str_in_output,
-            "structured_output": StructuredOutput.from_proto(msg.structured_output),
-            "logit_bias": dict(msg.logit_bias),
-            "bad_words": tuple(msg.bad_words),
-        }
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "n",
-                     "min_tokens", "prompt_logprobs"):
-            if msg.HasField(name):
+    def from_proto(cls, msg: common_pb2.SamplingParams, trusted: bool = False) -> SamplingParams:
+        """Resolve unset optional fields to their defaults; raises ValueError on bad values unless `trusted` (a
+        worker's, whose scheduler checked them)."""
+        kwargs: dict = {}
+        for name, kind in WIRE_KINDS.items():
+            if kind == "optional":
+                if msg.HasField(name):
+                    kwargs[name] = getattr(msg, name)
+            elif kind == "repeated":
+                kwargs[name] = tuple(getattr(msg, name))
+            elif kind == "map":
+                kwargs[name] = dict(getattr(msg, name))
+            elif kind == "message":
+                kwargs[name] = MESSAGE_TYPES[name].from_proto(getattr(msg, name))
+            else:
                 kwargs[name] = getattr(msg, name)
-        return cls(**kwargs)
+        return cls(**kwargs, trusted=trusted)
 
     def to_proto(self) -> common_pb2.SamplingParams:
-        msg = common_pb2.SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, n=self.n,
-            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
-            bad_words=list(self.bad_words),
-        )
-        if self.structured_output is not None:
-            msg.structured_output.CopyFrom(self.structured_output.to_proto())
-        if self.min_tokens:
-            msg.min_tokens = self.min_tokens
-        if self.seed is not None:
-            msg.seed = self.seed
-        if self.logprobs is not None:
-            msg.logprobs = self.logprobs
-        if self.prompt_logprobs is not None:
-            msg.prompt_logprobs = self.prompt_logprobs
+        msg = common_pb2.SamplingParams()
+        for name, kind in WIRE_KINDS.items():
+            value = getattr(self, name)
+            if kind == "repeated":
+                getattr(msg, name).extend(value)
+            elif kind == "map":
+                getattr(msg, name).update(value)
+            elif value is None:
+                continue
+            elif kind == "message":
+                getattr(msg, name).CopyFrom(value.to_proto())
+            else:
+                setattr(msg, name, value)
         return msg
+
+
+def wire_kind(name: str) -> str:
+    """How the message holds a field: optional (unset: the dataclass's default), plain, repeated, map or message."""
+    if name not in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
+        raise TypeError(f"SamplingParams.{name} has no field in protos/common.proto's SamplingParams")
+    value = getattr(common_pb2.SamplingParams(), name)
+    if isinstance(value, MutableMapping):
+        return "map"
+    if isinstance(value, MutableSequence):
+        return "repeated"
+    if isinstance(value, Message):
+        return "message"
+    return "optional" if common_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name].has_presence else "plain"
+
+
+def message_class(name: str) -> type:
+    """A message field's dataclass, which converts itself (from_proto, to_proto): its annotation's class."""
+    return next(t for t in get_args(get_type_hints(SamplingParams)[name]) if t is not type(None))
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+WIRE_KINDS = {name: wire_kind(name) for name in SAMPLING_FIELDS}
+MESSAGE_TYPES = {name: message_class(name) for name, kind in WIRE_KINDS.items() if kind == "message"}
+FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type == "float")
 
 
 def check_logit_bias(logit_bias: dict[int, float]) -> None:

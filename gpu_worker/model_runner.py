@@ -90,7 +90,7 @@ class ModelRunner:
         chunks = []
         for new in req.new_seqs:
             seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                                SamplingParams.from_proto(new.sampling), new.sample_index,
+                                SamplingParams.from_proto(new.sampling, trusted=True), new.sample_index,
                                 kv_present_tokens=new.kv_present_tokens)
             if wants_prompt_logprobs(new):
                 seq.prompt_logprobs = []

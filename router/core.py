@@ -139,7 +139,7 @@ class Router:
                                scored_prompt=prompt_ids if params.prompt_logprobs is not None else None)
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                 sampling=params.to_proto())
+                                                 sampling=request.sampling)   # validated (params), sent as it came
         observed.routed(request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         return self.proxy(plan.targets, upstream, new_state, observed, hold)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
-from protos import scheduler_pb2, worker_pb2
+from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
 from scheduler.request_checks import check_new_request, check_resumed
@@ -81,14 +81,16 @@ class Scheduler:
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    resumed_token_ids: list[int] = ()) -> None:
+                    resumed_token_ids: list[int] = (), sampling: common_pb2.SamplingParams | None = None) -> None:
         """resumed_token_ids: tokens a scheduler that died had generated for this request: it goes on after them
         as a preempted sequence would (they count towards max_tokens and penalties, and seeded sampling depends
-        only on the position), so the continuation is the one that scheduler would have produced."""
+        only on the position), so the continuation is the one that scheduler would have produced. sampling: the
+        message params came from, if they came in one (kept for the worker, not built again)."""
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
                           self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
         check_resumed(resumed_token_ids, params)
-        request = Request(request_id, list(prompt_token_ids), params)
+        sampling = params.to_proto() if sampling is None else sampling
+        request = Request(request_id, list(prompt_token_ids), params, sampling)
         first = self.new_sequence(request, 0, [*prompt_token_ids, *resumed_token_ids])
         request.seqs.append(first)
         request.forked = params.n == 1
@@ -270,7 +272,7 @@ class Scheduler:
             else:
                 step.new_seqs.add(seq_id=seq.seq_id, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
                                   block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
-                                  num_scheduled_tokens=num_tokens, sampling=seq.params.to_proto(),
+                                  num_scheduled_tokens=num_tokens, sampling=self.requests[seq.request_id].sampling,
                                   sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens)
                 self.worker_seqs.add(seq.seq_id)
             seq.num_blocks_sent = len(seq.block_ids)

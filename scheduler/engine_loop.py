@@ -22,7 +22,7 @@ from base.errors import StatusError
 from base.prompt_checks import check_token_ids
 from base.sampling_params import SamplingParams
 from base.telemetry import TRACING_OFF, Tracing
-from protos import scheduler_pb2, worker_pb2
+from protos import common_pb2, scheduler_pb2, worker_pb2
 from scheduler.admission import AdmissionLimits
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
@@ -86,8 +86,10 @@ class EngineLoop:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     outputs: asyncio.Queue, trace_parent: Context | None = None,
-                    resumed_token_ids: list[int] | None = None) -> RequestStream:
-        """resumed_token_ids: what another scheduler generated for it before it died (Scheduler.add_request)."""
+                    resumed_token_ids: list[int] | None = None,
+                    sampling: common_pb2.SamplingParams | None = None) -> RequestStream:
+        """resumed_token_ids: what another scheduler generated for it before it died; sampling: the message params
+        came from (Scheduler.add_request)."""
         if self.draining:
             raise Draining("the scheduler is shutting down")
         if self.failure and not self.restarting:
@@ -99,7 +101,7 @@ class EngineLoop:
         if self.restarting:   # taken, and handed to the new worker with those the old one had
             self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or []))
         else:
-            self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [])
+            self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [], sampling)
             self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = RequestStream(request_id, params.n, outputs)

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 
 from base.sampling_params import SamplingParams
+from protos import common_pb2
 
 
 class SequenceStatus(enum.Enum):
@@ -60,6 +61,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    sampling: common_pb2.SamplingParams            # params as the request brought them: what each sample's worker gets
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False                           # the n-1 siblings of sample 0 exist

@@ -14,7 +14,7 @@ from base.errors import StatusError
 from base.grpc_options import MAX_MESSAGE_BYTES
 from base.sampling_params import SamplingParams
 from base.telemetry import extract_metadata
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.finish_reasons import FINISH_REASON_TO_PROTO
 from scheduler.admission import QueueFull
 from scheduler.core import RequestOutput
@@ -49,8 +49,10 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
           trace_parent: Context | None) -> RequestStream:
     try:
         params = SamplingParams.from_proto(request.sampling)
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)   # its own: a part of the request would keep all of it (the prompt) alive
         return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent,
-                                list(request.resumed_token_ids))
+                                list(request.resumed_token_ids), sampling)
     except ValueError as e:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
     except QueueFull as e:

@@ -8,7 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from protos import common_pb2, router_pb2
+from router.http.app import create_app
+from router.http.served_models import ServedModel
+from router.tokenizer import RouterTokenizer
 from tests.openai_fixtures import reference, stack
 from tests.services_fixtures import API_KEY
 
@@ -111,6 +116,25 @@ def test_chat_without_max_tokens_may_fill_the_context(stack, reference):
     assert result.usage.prompt_tokens == len(reference.chat_ids(messages))
     assert result.usage.completion_tokens == max_model_len - result.usage.prompt_tokens
     assert result.choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_is_rendered_and_tokenized_once(tokenizer_dir, monkeypatch):
+    tokenizer = RouterTokenizer(tokenizer_dir)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    renders, sent = [], []
+    render = tokenizer.render_chat
+    monkeypatch.setattr(tokenizer, "render_chat", lambda *args: renders.append(args) or render(*args))
+
+    async def generate(request, **_):
+        sent.append(request)
+        yield router_pb2.GenerateResponse(index=0, text="ok", finish_reason=common_pb2.FINISH_REASON_LENGTH)
+
+    app = create_app(generate, models=lambda: [ServedModel("tiny", "", tokenizer, max_model_len=64)])
+    response = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200, response.text
+    prompt_ids = tokenizer.encode("<user>hi<assistant>")
+    assert len(renders) == 1 and list(sent[0].token_ids.ids) == prompt_ids   # the router takes the ids as they are
+    assert sent[0].sampling.max_tokens == 64 - len(prompt_ids)
 
 
 def test_stop_token_ids_end_the_completion(stack, reference):

@@ -73,24 +73,15 @@ class OpenAIServer:
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        max_tokens = body.requested_max_tokens
-        if max_tokens is None and model.max_model_len:
-            max_tokens = await self.room_left(model, body)
+        max_tokens, prompt_ids = body.requested_max_tokens, None
+        if max_tokens is None and model.max_model_len:   # OpenAI's default: what the context has left after the prompt
+            prompt_ids = await chat_prompt_ids(model, body)
+            max_tokens = max(1, model.max_model_len - len(prompt_ids))
         tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
-        generate_request = body.generate_request(request_id, model.route_name, max_tokens)
+        generate_request = body.generate_request(request_id, model.route_name, max_tokens, prompt_ids)
         add_grammar(tools, generate_request.sampling)
         fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, tools=tools)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
-
-    async def room_left(self, model: ServedModel, body: ChatCompletionRequest) -> int:
-        """OpenAI's chat default: as many tokens as the context has left after the prompt."""
-        chat = body.chat()
-        check_length("messages", chat_chars(chat), model.max_model_len)
-        try:
-            prompt = await asyncio.to_thread(model.tokenizer.encode_chat, *chat_template_inputs(chat))
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        return max(1, model.max_model_len - len(prompt))
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:
@@ -103,6 +94,16 @@ class OpenAIServer:
         responses = self.generate(generate_request, hold=True, api_key=api_key)
         collected = await unless_disconnected(request, collect(responses, num_samples))   # or ClientGone: 499
         return JSONResponse(fmt.body(collected))
+
+
+async def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
+    """The chat's prompt, rendered and tokenized (once: the router takes these ids rather than the messages)."""
+    chat = body.chat()
+    check_length("messages", chat_chars(chat), model.max_model_len)
+    try:
+        return await asyncio.to_thread(model.tokenizer.encode_chat, *chat_template_inputs(chat))
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
 
 
 async def completion_request(body: CompletionRequest, request_id: str,

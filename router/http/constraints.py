@@ -1,7 +1,6 @@
 """The OpenAI request fields that constrain or bias the output, mapped onto Ferry's SamplingParams: OpenAI's
-`response_format` and `logit_bias`; vLLM's `structured_outputs` (and its older top-level `guided_*` names),
-`min_tokens` and `bad_words`. At most one constraint per request; what cannot be honoured is a 400 naming the
-field."""
+`response_format` and `logit_bias`; vLLM's `structured_outputs` (and its older top-level `guided_*` names). At most
+one constraint per request; what cannot be honoured is a 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -54,21 +53,15 @@ class ConstrainedRequest(Protocol):
     guided_choice: list[str] | None
     guided_grammar: str | None
     logit_bias: dict[str, float] | None
-    min_tokens: int | None
-    bad_words: list[str] | None
 
 
 def add_constraints(params: common_pb2.SamplingParams, request: ConstrainedRequest) -> None:
-    """Set the request's structured output, logit_bias, min_tokens and bad_words on params; APIError 400 when
-    they are bad."""
+    """Set the request's structured output and logit_bias on params; APIError 400 when they are bad."""
     constraint = structured_output(request)
     if constraint is not None:
         params.structured_output.CopyFrom(constraint.to_proto())
     if request.logit_bias:
         params.logit_bias.update(token_id_bias(request.logit_bias))
-    if request.min_tokens is not None:
-        params.min_tokens = request.min_tokens
-    params.bad_words.extend(request.bad_words or [])
 
 
 def structured_output(request: ConstrainedRequest) -> StructuredOutput | None:

@@ -1,15 +1,20 @@
 """OpenAI API request bodies, validated by pydantic, and their mapping onto Ferry's GenerateRequest.
 
 Only bounds the wire needs are checked here (a negative max_tokens cannot become a uint32); the meaning of each
-value (top_p in (0, 1], n >= 1, ...) is checked once, by base.sampling_params in the router's request path.
+value (top-p in (0, 1], at least one sample, ...) is checked once, by base.sampling_params in the router's request
+path.
+The sampling fields are base.sampling_params.SamplingParams's: each is an HTTP field of its name and wire type,
+except the few the APIs spell their own way (OWN_FIELDS).
 """
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from google.protobuf.descriptor import FieldDescriptor
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from base.sampling_params import SAMPLING_FIELDS, WIRE_KINDS
 from protos import common_pb2, router_pb2
 from router.http.constraints import ResponseFormat, StructuredOutputs, add_constraints
 from router.http.fill_in_middle import fim_prompt
@@ -20,39 +25,41 @@ INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 UINT32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 SEED = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TOP_LOGPROBS = Annotated[int, Field(ge=0, le=20)]
+WIRE_TYPES = {FieldDescriptor.TYPE_UINT32: UINT32, FieldDescriptor.TYPE_INT32: INT32,
+              FieldDescriptor.TYPE_FLOAT: float, FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_BOOL: bool,
+              FieldDescriptor.TYPE_STRING: str}
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "n")
+# The sampling fields whose HTTP name, shape or value is the API's own, declared by hand below: a negative seed,
+# stop as one string or a list, logit_bias keyed by strings, each API's logprobs, prompt_logprobs only for
+# completions, and structured output as response_format, structured_outputs or guided_*.
+OWN_FIELDS = ("seed", "stop", "logit_bias", "logprobs", "prompt_logprobs", "structured_output")
+PLAIN_FIELDS = tuple(name for name in SAMPLING_FIELDS if name not in OWN_FIELDS)
+
+
+def http_field(name: str) -> tuple[Any, None]:
+    """A plain sampling field as the APIs take it: optional, of its wire type (the bounds the wire needs)."""
+    value_type = WIRE_TYPES[common_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name].type]
+    return (list[value_type] if WIRE_KINDS[name] == "repeated" else value_type) | None, None
+
+
+PlainSamplingFields = create_model("PlainSamplingFields", **{name: http_field(name) for name in PLAIN_FIELDS})
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
-    """Fields both APIs share (OpenAI's, plus vLLM's extensions users already send)."""
+class SamplingRequest(PlainSamplingFields):
+    """Fields both APIs share (OpenAI's, plus vLLM's extensions users already send): the plain sampling fields,
+    and these."""
     model_config = ConfigDict(extra="ignore")
 
     model: str = ""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: UINT32 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: INT32 | None = None
-    min_p: float | None = None
     seed: SEED | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[UINT32] = []
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    n: UINT32 | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> added to its logit
-    min_tokens: UINT32 | None = None
-    bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None   # vLLM's; guided_* are its older names
     guided_json: str | dict[str, Any] | None = None
@@ -71,16 +78,12 @@ class SamplingRequest(BaseModel):
         return self.n if self.n is not None else 1
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
-        params = common_pb2.SamplingParams(stop=stop_strings(self.stop), stop_token_ids=self.stop_token_ids,
-                                           ignore_eos=self.ignore_eos,
-                                           include_stop_str_in_output=self.include_stop_str_in_output)
-        for name in SAMPLING_FIELDS:
-            if getattr(self, name) is not None:
-                setattr(params, name, getattr(self, name))
+        """The plain fields as given, and the API's own: max_tokens as the API resolves it, its logprobs."""
+        given = {name: getattr(self, name) for name in PLAIN_FIELDS if getattr(self, name) is not None}
+        given["max_tokens"] = max_tokens
+        params = common_pb2.SamplingParams(**given, stop=stop_strings(self.stop))
         if self.seed is not None:
             params.seed = self.seed % 2**64      # a negative seed is as good a seed as any
-        if max_tokens is not None:
-            params.max_tokens = max_tokens
         if logprobs is not None:
             params.logprobs = logprobs
         add_constraints(params, self)
@@ -252,12 +255,17 @@ class ChatCompletionRequest(SamplingRequest):
         tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools]) if self.tools else ""
         return router_pb2.ChatMessages(messages=[m.to_proto() for m in self.messages], tools=tools)
 
-    def generate_request(self, request_id: str, model: str, max_tokens: int | None) -> router_pb2.GenerateRequest:
+    def generate_request(self, request_id: str, model: str, max_tokens: int | None,
+                         prompt_ids: list[int] | None = None) -> router_pb2.GenerateRequest:
+        """The chat for the router to render, or its prompt's ids where they are known already."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
                                              sampling=self.sampling(max_tokens, logprobs),
                                              stream_interval=self.stream_interval or 0)
-        request.chat.CopyFrom(self.chat())
+        if prompt_ids is None:
+            request.chat.CopyFrom(self.chat())
+        else:
+            request.token_ids.ids.extend(prompt_ids)
         return request
 
 

@@ -1,0 +1,102 @@
+"""The sampling fields are declared once (base.sampling_params.SamplingParams): the wire message carries the same
+fields, and the proto conversion and the HTTP APIs' fields follow the declaration, so a field is named only where
+it is declared, carried and honoured."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from types import UnionType
+from typing import get_args, get_origin, get_type_hints
+
+import pytest
+
+from base.sampling_params import SAMPLING_FIELDS, SamplingParams, wire_kind
+from base.structured_output import StructuredOutput
+from protos import common_pb2
+from router.http.schema import OWN_FIELDS, PLAIN_FIELDS, ChatCompletionRequest, CompletionRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVING = ["base", "protos", "router", "scheduler", "gpu_worker"]   # not its users (ferry's CLI, benchmarks, tests)
+DECLARED = {"base/sampling_params.py", "protos/common.proto"}
+# Each field with a name no other code uses, and the files that honour it (what adding one such field touches)
+PLACES = {
+    "top_p": {"gpu_worker/sampling/sampler.py", "gpu_worker/cuda/device_memory.py"},
+    "min_p": {"gpu_worker/sampling/sampler.py"},
+    "presence_penalty": {"gpu_worker/sampling/sampler.py"},
+    "frequency_penalty": {"gpu_worker/sampling/sampler.py"},
+    "repetition_penalty": {"gpu_worker/sampling/sampler.py"},
+    "stop_token_ids": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/structured_output.py"},
+    "ignore_eos": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py"},
+    "include_stop_str_in_output": {"router/core.py"},
+    "bad_words": {"scheduler/bad_words.py", "scheduler/core.py", "scheduler/structured_output.py"},
+}
+CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
+              dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}
+
+
+def files_naming(name: str) -> set[str]:
+    """The serving code's sources (not the generated stubs) that name the field."""
+    sources = [*(p for d in SERVING for p in (ROOT / d).rglob("*.py") if "_pb2" not in p.name),
+               *(ROOT / "protos").glob("*.proto")]
+    word = re.compile(rf"\b{name}\b")
+    return {str(p.relative_to(ROOT)) for p in sources if word.search(p.read_text())}
+
+
+def declared_type(name: str) -> type:
+    hint = get_type_hints(SamplingParams)[name]
+    return next(t for t in get_args(hint) if t is not type(None)) if get_origin(hint) is UnionType else hint
+
+
+def changed_value(name: str):
+    """A value other than the default that the field accepts: one of its type's candidates."""
+    for value in CANDIDATES[declared_type(name)]:
+        try:
+            SamplingParams(**{name: value})
+            return value
+        except ValueError:
+            continue
+    raise AssertionError(f"no candidate value fits {name}")
+
+
+def test_the_wire_message_carries_exactly_the_declared_fields():
+    assert set(SAMPLING_FIELDS) == set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+def test_a_field_the_wire_message_lacks_is_refused_where_it_is_declared():
+    with pytest.raises(TypeError, match="protos/common.proto"):
+        wire_kind("typical_p")
+
+
+@pytest.mark.parametrize("name", SAMPLING_FIELDS)
+def test_every_declared_field_crosses_the_wire_both_ways(name):
+    params = SamplingParams(**{name: changed_value(name)})
+    assert params != SamplingParams()
+    assert SamplingParams.from_proto(params.to_proto()) == params
+    assert SamplingParams.from_proto(params.to_proto(), trusted=True) == params
+
+
+def test_unset_fields_take_the_declared_defaults():
+    assert SamplingParams.from_proto(common_pb2.SamplingParams()) == SamplingParams()
+
+
+@pytest.mark.parametrize("name", PLAIN_FIELDS)
+def test_both_http_apis_take_each_plain_field_by_its_name_to_the_wire(name):
+    value = changed_value(name)
+    given = list(value) if isinstance(value, tuple) else value
+    completion = CompletionRequest(prompt="hi", **{name: given})
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{name: given})
+    max_tokens = value if name == "max_tokens" else None   # the APIs resolve max_tokens their own way
+    for request in (completion.generate_request("c", "", None), chat.generate_request("c", "", max_tokens)):
+        assert getattr(SamplingParams.from_proto(request.sampling), name) == value
+
+
+def test_the_fields_the_http_apis_spell_their_own_way_are_declared_fields():
+    assert set(OWN_FIELDS) <= set(SAMPLING_FIELDS)
+    assert set(PLAIN_FIELDS) | set(OWN_FIELDS) == set(SAMPLING_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(PLACES))
+def test_a_sampling_field_is_named_where_it_is_declared_and_where_it_is_honoured_only(name):
+    assert name in {f.name for f in dataclasses.fields(SamplingParams)}
+    assert files_naming(name) == DECLARED | PLACES[name]
