@@ -6,7 +6,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from benchmarks.cli_args import (add_batch_args, add_dtype_arg, add_model_args, add_workload_args, concrete_dtype,
+from benchmarks.common.cli_args import (add_batch_args, add_dtype_arg, add_model_args, add_workload_args, concrete_dtype,
                                  load_requests, machine, model_dir, report)
 from benchmarks.cli_stacks import (add_async_parser, add_chaos_parser, add_cluster_parser, add_prefix_parser,
                                    add_router_parser, add_split_parser)
@@ -63,7 +63,7 @@ def add_bench_parser(sub) -> None:
 
 
 def run_offline(args) -> int:
-    from benchmarks.offline import ferry_config, run_ferry, run_transformers
+    from benchmarks.engine.offline import ferry_config, run_ferry, run_transformers
 
     directory = model_dir(args)
     requests = load_requests(args, directory)
@@ -103,7 +103,7 @@ def add_moe_parser(bench) -> None:
 
 
 def run_moe(args) -> int:
-    from benchmarks.moe import MoeShapes, measure
+    from benchmarks.engine.moe import MoeShapes, measure
 
     shapes = MoeShapes(hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts,
                        top_k=args.top_k, expert_size=args.expert_size)
@@ -124,7 +124,7 @@ def add_structured_parser(bench) -> None:
 
 
 def run_structured(args) -> int:
-    from benchmarks.structured import measure
+    from benchmarks.engine.structured import measure
 
     result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.repeats, args.trials)
     if args.json:
@@ -139,7 +139,7 @@ def run_roofline(args) -> int:
     against the FLOP limit."""
     import torch
 
-    from benchmarks.roofline import measure, measure_memory_bound
+    from benchmarks.engine.roofline import measure, measure_memory_bound
 
     if torch.cuda.is_available():
         result = measure_memory_bound(model_dir(args), concrete_dtype(args.dtype), args.batch, args.prompt_len,
@@ -151,7 +151,7 @@ def run_roofline(args) -> int:
 
 
 def run_memory(args) -> int:
-    from benchmarks.memory import paged_vs_contiguous, parallel_sampling_saving
+    from benchmarks.engine.memory import paged_vs_contiguous, parallel_sampling_saving
 
     directory = model_dir(args)
     requests = load_requests(args, directory)
@@ -163,7 +163,7 @@ def run_memory(args) -> int:
                                                          / max(1, summaries["contiguous"]["peak_running"]), 3),
               "parallel_sampling": parallel_sampling_saving(directory, args.dtype)}
     if args.plot_dir:
-        from benchmarks.plots import kv_occupancy
+        from benchmarks.common.plots import kv_occupancy
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         kv_occupancy(traces, args.plot_dir / "kv_occupancy.png")
     report(args, result)
@@ -171,7 +171,7 @@ def run_memory(args) -> int:
 
 
 def run_serve(args) -> int:
-    from benchmarks.serve import run_load
+    from benchmarks.services.serve import run_load
 
     requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
     requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
@@ -183,7 +183,7 @@ def run_serve(args) -> int:
               f"{result['failed']} failed", file=sys.stderr)
         runs.append((rate, result))
     if args.plot_dir:
-        from benchmarks.plots import throughput_vs_rate, ttft_distribution
+        from benchmarks.common.plots import throughput_vs_rate, ttft_distribution
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         throughput_vs_rate(runs, args.plot_dir / "throughput_vs_rate.png")
         for rate, result in runs:

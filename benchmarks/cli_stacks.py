@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.cli_args import add_model_args, add_workload_args, load_requests, machine, model_dir, report
+from benchmarks.common.cli_args import add_model_args, add_workload_args, load_requests, machine, model_dir, report
 
 
 def add_prefix_parser(bench) -> None:
@@ -15,7 +15,7 @@ def add_prefix_parser(bench) -> None:
     add_workload_args(prefix)
     prefix.set_defaults(workload="shared_prefix")
     prefix.add_argument("--request-rate", default="1,inf",
-                        help="req/s, comma list; inf = all at once (see benchmarks/prefix_routing.py for why two)")
+                        help="req/s, comma list; inf = all at once (see benchmarks/services/prefix_routing.py for why two)")
     prefix.add_argument("--num-prompts", type=int, default=64)
     prefix.add_argument("--max-concurrency", type=int, default=256)
     prefix.add_argument("--configs", default="single,single_no_prefix_cache,cache_aware_x2,round_robin_x2",
@@ -44,7 +44,7 @@ def add_async_parser(bench) -> None:
 
 
 def run_async(args) -> int:
-    from benchmarks.async_scheduling import run
+    from benchmarks.services.async_scheduling import run
 
     directory = model_dir(args)
     report(args, run(args, load_requests(args, directory), directory))
@@ -66,7 +66,7 @@ def add_chaos_parser(bench) -> None:
 
 
 def run_chaos(args) -> int:
-    from benchmarks import chaos, chaos_faults
+    from benchmarks.services import chaos, chaos_faults
 
     faults = chaos_faults.scenarios(args.stop_seconds, args.redis_down_seconds)
     if args.only:
@@ -86,7 +86,7 @@ def add_cluster_parser(bench) -> None:
     cluster.add_argument("--rates-per-scheduler", default="0.5,1,2",
                          help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
     cluster.add_argument("--profile", default="cpu",
-                         help="step cost model: cpu, h100_llama8b (benchmarks/cost_model.py) or a cost-fit file")
+                         help="step cost model: cpu, h100_llama8b (benchmarks/cluster/cost_model.py) or a cost-fit file")
     cluster.add_argument("--kv-blocks", type=int, default=0, help="KV pool per scheduler in blocks of 16 "
                                                                    "(0: the profile's)")
     cluster.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
@@ -135,7 +135,7 @@ def add_router_parser(bench) -> None:
 
 
 def run_prefix(args) -> int:
-    from benchmarks.prefix_routing import run
+    from benchmarks.services.prefix_routing import run
 
     requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
     report(args, run(args, requests))
@@ -145,7 +145,7 @@ def run_prefix(args) -> int:
 def run_cost_fit(args) -> int:
     import os
 
-    from benchmarks.cost_fit import run
+    from benchmarks.cluster.cost_fit import run
 
     args.threads = args.threads or os.cpu_count() or 1
     report(args, {"machine": machine(), **run(args)})
@@ -153,7 +153,7 @@ def run_cost_fit(args) -> int:
 
 
 def run_cluster(args) -> int:
-    from benchmarks.cluster_bench import RunSpec, claims, sweep, table
+    from benchmarks.cluster.cluster_bench import RunSpec, claims, sweep, table
 
     requests = load_requests(args)
     specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
@@ -163,7 +163,7 @@ def run_cluster(args) -> int:
     runs = sweep(specs, requests)
     print(table(runs), file=sys.stderr, flush=True)
     if args.plot_dir:
-        from benchmarks.plots import cluster_sweep
+        from benchmarks.common.plots import cluster_sweep
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         sizes = args.num_schedulers.replace(",", "-")
         cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{Path(args.profile).stem}_n{sizes}.png")
@@ -173,7 +173,7 @@ def run_cluster(args) -> int:
 
 
 def run_split(args) -> int:
-    from benchmarks.service_overhead import run
+    from benchmarks.services.service_overhead import run
 
     directory = model_dir(args)
     report(args, run(args, load_requests(args, directory), directory))
@@ -181,7 +181,7 @@ def run_split(args) -> int:
 
 
 def run_router(args) -> int:
-    from benchmarks.router_capacity import BenchOptions, run
+    from benchmarks.services.router_capacity import BenchOptions, run
 
     tokenizer_dir = args.model or model_dir(args)   # only its tokenizer is read: no config.json needed
     options = BenchOptions(tokenizer_dir, [int(c) for c in args.clients.split(",")], args.apis.split(","),
@@ -193,7 +193,7 @@ def run_router(args) -> int:
               f"{r['router_cpu_us_per_token']} us router CPU/token, added p50 {r['added_latency_ms_p50']} ms "
               f"p99 {r['added_latency_ms_p99']} ms", file=sys.stderr)
     if args.plot_dir:
-        from benchmarks.router_capacity import plot_tokens_per_s
+        from benchmarks.services.router_capacity import plot_tokens_per_s
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         plot_tokens_per_s(result["runs"], args.plot_dir / f"router_capacity_w{args.workers}.png")
     report(args, result)

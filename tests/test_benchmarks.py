@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from benchmarks import grpc_stream_cost
+from benchmarks.services import grpc_stream_cost
 
 
 def run_bench(*args: str) -> dict:
@@ -98,7 +98,7 @@ def test_async_bench_serves_the_same_requests_with_async_scheduling_on_and_off_a
 
 
 def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_prefixes():
-    from benchmarks.workloads import BenchRequest, extend
+    from benchmarks.common.workloads import BenchRequest, extend
 
     base = [BenchRequest(list(range(start, start + n)), m) for start, n, m in [(1000, 20, 5), (5000, 33, 7)]]
     longer = extend(base, 6)
@@ -126,8 +126,8 @@ def test_moe_bench_times_a_mixtral_decode_step_against_a_dense_one_of_the_same_a
 
 
 def test_moe_bench_counts_the_active_parameters_of_the_dense_model_it_builds(tmp_path):
-    from benchmarks.moe import MoeShapes, save_models
-    from benchmarks.roofline import linear_parameters
+    from benchmarks.engine.moe import MoeShapes, save_models
+    from benchmarks.engine.roofline import linear_parameters
     from transformers import AutoModelForCausalLM
     shapes = MoeShapes(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
                        expert_size=16, vocab_size=64)
@@ -145,7 +145,7 @@ def test_structured_bench_times_constrained_and_unconstrained_decode_and_the_fir
 
 @pytest.mark.slow
 def test_gguf_blocks_bench_times_both_weight_forms_of_the_default_model(monkeypatch, capsys):
-    from benchmarks import gguf_blocks
+    from benchmarks.engine import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "BATCHES", (2,))
     monkeypatch.setattr(gguf_blocks, "STEPS", 2)

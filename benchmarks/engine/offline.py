@@ -1,0 +1,117 @@
+"""Offline throughput: Ferry's engine in its modes, and transformers `generate`, on the same requests."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common.workloads import BenchRequest
+from ferry import Engine, EngineConfig, SamplingParams
+
+MODES = {
+    "continuous": {},
+    "static": {"batching": "static"},
+    "contiguous": {"kv_layout": "contiguous", "max_model_len": 2048},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "eager": {"enforce_eager": True},
+}
+
+
+@dataclass
+class OfflineResult:
+    mode: str
+    seconds: float
+    output_tokens: int
+    num_requests: int
+    steps: int = 0
+    forward_seconds: float = 0.0
+    python_overhead_at_batch_64: float | None = None   # share of step time outside the forward and sampling
+    num_preemptions: int = 0
+    peak_running: int = 0     # the most sequences one step ran: what the KV pool held at once
+    worker_idle_seconds: float = 0.0   # the worker's waits between steps (for the scheduler, the step message)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "output_tokens_per_s": round(self.output_tokens_per_s, 2),
+                "requests_per_s": round(self.num_requests / self.seconds, 3)}
+
+
+def ferry_config(model: str, dtype: str, mode: str, max_num_seqs: int, kv_cache_memory: int) -> EngineConfig:
+    return EngineConfig(model=model, dtype=dtype, device="auto", max_num_seqs=max_num_seqs,
+                        kv_cache_memory=kv_cache_memory, **MODES[mode])
+
+
+def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], progress: bool = True) -> OfflineResult:
+    engine = Engine(config)
+    warm_up(engine)
+    for i, r in enumerate(requests):
+        engine.add_request(f"b{i}", r.prompt_token_ids,
+                           SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    total = sum(r.max_tokens for r in requests)
+    bar = tqdm(total=total, desc=f"ferry {mode}", unit="tok", disable=not progress, leave=False)
+    output_tokens = steps = peak_running = 0
+    forward = idle = big_batch_wall = big_batch_forward = 0.0
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        batch = len(engine.scheduler.running)
+        peak_running = max(peak_running, batch)
+        step_started = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - step_started
+        new = sum(len(o.new_token_ids) for o in outputs)
+        output_tokens += new
+        steps += 1
+        forward += engine.last_step_seconds
+        idle += engine.last_idle_seconds
+        if batch >= 56 and all(len(o.new_token_ids) == 1 for o in outputs):
+            big_batch_wall += wall
+            big_batch_forward += engine.last_step_seconds
+        bar.update(new)
+    seconds = time.perf_counter() - started
+    bar.close()
+    overhead = 1 - big_batch_forward / big_batch_wall if big_batch_wall else None
+    return OfflineResult(mode, seconds, output_tokens, len(requests), steps, forward, overhead,
+                         engine.stats().num_preemptions, peak_running, idle)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_up(engine: Engine) -> None:
+    engine.generate([[11, 12, 13, 14]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+
+def run_transformers(model_dir: str, dtype: str, requests: list[BenchRequest], batch_size: int = 16,
+                     progress: bool = True, device: str = "auto") -> OfflineResult:
+    """Static, left-padded batches of batch_size: each batch runs until its longest request is done. device "auto":
+    the GPU where there is one, as the engine's own "auto"."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_worker.worker import resolve_device
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    target = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(target).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    started = time.perf_counter()
+    for batch in tqdm(batches, desc="transformers", disable=not progress, leave=False):
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                           device=target)
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch],
+                            device=target)
+        longest = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                           do_sample=False, pad_token_id=pad)
+    synchronize(target)
+    seconds = time.perf_counter() - started
+    return OfflineResult("transformers", seconds, sum(r.max_tokens for r in requests), len(requests))
