@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.common.workloads import BenchRequest
+from benchmarks.common.bench_request import BenchRequest
 
 VOCAB = (1000, 40000)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.common.bench_request import BenchRequest
+from benchmarks.common.routing_workloads import GENERATORS
 
 SHARED_WORKLOADS = Path(__file__).resolve().parents[3] / "shared" / "workloads"   # ../shared beside the checkout
 CHAT_QUESTIONS = [
@@ -15,13 +17,7 @@ CHAT_QUESTIONS = [
 ]
 
 
-ROUTING_WORKLOADS = ("tenants", "multiturn")
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
+ROUTING_WORKLOADS = tuple(GENERATORS)   # generated at any length: see benchmarks/common/routing_workloads.py
 
 
 def load_workload_file(path: Path) -> list[BenchRequest]:
@@ -57,8 +53,7 @@ def sharegpt_shaped(rng: random.Random, ids, num_requests: int) -> list[BenchReq
 def load(name: str, tokenizer=None, num_requests: int | None = None) -> list[BenchRequest]:
     if name == "chat":
         return chat_workload(tokenizer, num_requests or 32)
-    if name in ROUTING_WORKLOADS:   # generated, any length: see benchmarks/common/routing_workloads.py
-        from benchmarks.common.routing_workloads import GENERATORS
+    if name in GENERATORS:
         return GENERATORS[name](num_requests or 512)
     shared = SHARED_WORKLOADS / f"{name}.json"
     requests = load_workload_file(shared) if shared.is_file() else generate(name)

@@ -18,30 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from benchmarks.services.router_load_clients import PROMPT, client_process
+from benchmarks.services.router_load_clients import PROMPT, BenchOptions, client_process
 from ferry.launcher import free_port
 from router.workers import children_of
-
-APIS = ("grpc", "sse", "http")
-
-
-@dataclass
-class BenchOptions:
-    model_path: str
-    clients: list[int] = field(default_factory=lambda: [64])
-    apis: list[str] = field(default_factory=lambda: list(APIS))
-    duration: float = 5.0           # seconds of load per run
-    max_tokens: int = 128           # per request
-    step_interval: float = 0.01
-    batch: int = 256
-    workers: int = 1
-    stream_interval: int = 0        # tokens per message the clients ask for (0: the router's default)
-
 
 # ---- the services -------------------------------------------------------------------------------------------
 

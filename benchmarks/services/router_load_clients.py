@@ -7,7 +7,6 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -15,10 +14,22 @@ import httpx
 from base import event_loop
 from protos import common_pb2, router_pb2, router_pb2_grpc
 
-if TYPE_CHECKING:
-    from benchmarks.services.router_capacity import BenchOptions
-
 PROMPT = [1, 2, 3, 4]
+APIS = ("grpc", "sse", "http")
+
+
+@dataclass
+class BenchOptions:
+    """One `ferry bench router` run: the services' shape, the clients and the load they put on."""
+    model_path: str
+    clients: list[int] = field(default_factory=lambda: [64])
+    apis: list[str] = field(default_factory=lambda: list(APIS))
+    duration: float = 5.0           # seconds of load per run
+    max_tokens: int = 128           # per request
+    step_interval: float = 0.01
+    batch: int = 256
+    workers: int = 1
+    stream_interval: int = 0        # tokens per message the clients ask for (0: the router's default)
 
 
 @dataclass
