@@ -19,7 +19,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "from setup import generate_grpc_stubs; generate_grpc_stubs()" || { echo "[gpu_check] protoc failed" >&2; exit 2; }
-"$PY" -m benchmarks.gpu.check "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+"$PY" -m benchmarks gpu-check "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$OUT/logs"   # one file: the device tool returns few
 exit "$status"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from benchmarks.services import grpc_stream_cost
 
 
@@ -126,9 +127,10 @@ def test_moe_bench_times_a_mixtral_decode_step_against_a_dense_one_of_the_same_a
 
 
 def test_moe_bench_counts_the_active_parameters_of_the_dense_model_it_builds(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from benchmarks.engine.moe import MoeShapes, save_models
     from benchmarks.engine.roofline import linear_parameters
-    from transformers import AutoModelForCausalLM
     shapes = MoeShapes(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
                        expert_size=16, vocab_size=64)
     _, dense_dir = save_models(shapes, tmp_path)
@@ -150,6 +152,6 @@ def test_gguf_blocks_bench_times_both_weight_forms_of_the_default_model(monkeypa
     monkeypatch.setattr(gguf_blocks, "BATCHES", (2,))
     monkeypatch.setattr(gguf_blocks, "STEPS", 2)
     monkeypatch.setenv("FERRY_CPU_GGUF_BLOCKS", "1")   # the bench sets it per engine; restored after the test
-    gguf_blocks.main()
+    assert gguf_blocks.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("121 linears") and lines[-1].startswith("| 2 |")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from benchmarks.common import workloads
 from benchmarks.cluster.hit_rate_bounds import bounds
+from benchmarks.common import workloads
 from benchmarks.common.routing_workloads import MultiturnShape, TenantsShape, multiturn, tenants
 from benchmarks.common.workloads import BenchRequest
 

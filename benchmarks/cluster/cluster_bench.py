@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from benchmarks.cluster.cluster_sim import ClusterSim, SimRequest
 from benchmarks.cluster.cost_model import load_profile
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, report
 from benchmarks.common.workloads import BenchRequest
 from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
 
@@ -148,3 +150,42 @@ def table(runs: list[dict]) -> str:
                      f"{r['output_tokens_per_s']:>10.1f} {t['p50']:>8.2f}s {t['p90']:>7.2f}s {t['p99']:>7.2f}s "
                      f"{hit:>8} {r['imbalance'] or 0:>6.2f}")
     return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("cluster", __doc__)
+    add_workload_args(parser)
+    parser.set_defaults(workload="tenants", num_requests=2000)
+    parser.add_argument("--num-schedulers", default="16", help="comma list, e.g. 16,64")
+    parser.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware")
+    parser.add_argument("--rates-per-scheduler", default="0.5,1,2",
+                        help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
+    parser.add_argument("--profile", default="cpu",
+                        help="step cost model: cpu, h100_llama8b (benchmarks/cluster/cost_model.py) or a cost-fit "
+                             "file")
+    parser.add_argument("--kv-blocks", type=int, default=0, help="KV pool per scheduler in blocks of 16 "
+                                                                  "(0: the profile's)")
+    parser.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
+    parser.add_argument("--num-routers", type=int, default=1, help="router replicas, each with its own policy "
+                                                                   "state; arrivals go to them in turn")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="how often the schedulers publish their "
+                                                                       "load (cache_aware's window follows)")
+    parser.add_argument("--announce-prompts", action="store_true",
+                        help="the schedulers publish a prompt's blocks when they admit it, not only once computed")
+    parser.add_argument("--plot-dir", type=Path)
+    args = parser.parse_args(argv)
+    requests = load_requests(args)
+    specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
+                     args.heartbeat_s, args.announce_prompts)
+             for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
+             for policy in args.policies.split(",")]
+    runs = sweep(specs, requests)
+    print(table(runs), file=sys.stderr, flush=True)
+    if args.plot_dir:
+        from benchmarks.common.plots import cluster_sweep
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        sizes = args.num_schedulers.replace(",", "-")
+        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{Path(args.profile).stem}_n{sizes}.png")
+    report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
+                  "profile": args.profile, "runs": runs, "claims": claims(runs)})
+    return 0

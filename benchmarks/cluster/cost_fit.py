@@ -14,6 +14,7 @@ worker OMP_NUM_THREADS=1), the one to compare the simulation with the real 2-sch
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from benchmarks.cluster.cost_model import CostProfile, StepWork, step_work
+from benchmarks.common.cli_args import add_model_args, bench_parser, machine, report
 from ferry.engine import Engine
 
 # (sequences, prompt tokens each): decode batches from 1 to 64 over short and long contexts, and prefills that
@@ -107,3 +109,17 @@ def run(args) -> dict:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result["profile"], indent=2) + "\n")
     return result
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("cost-fit", __doc__)
+    add_model_args(parser)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores; 1: one of two "
+                                                                "schedulers sharing a 2-core machine)")
+    parser.add_argument("--name", default="cpu_fitted", help="the profile's name")
+    parser.add_argument("--out", type=Path, help="write the profile here, for `ferry bench cluster --profile`")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    args.threads = args.threads or os.cpu_count() or 1
+    report(args, {"machine": machine(), **run(args)})
+    return 0

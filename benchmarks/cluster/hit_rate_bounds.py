@@ -9,9 +9,9 @@ tenant seen more than once is cold on both. Hit rate = hit tokens / prompt token
 """
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 
+from benchmarks.common.cli_args import bench_parser
 from benchmarks.common.routing_workloads import tenants
 from benchmarks.common.workloads import BenchRequest
 
@@ -65,6 +65,10 @@ def bounds(requests: list[BenchRequest]) -> dict[str, float]:
             "ratio": round(affinity_hits / alternating_hits, 3) if alternating_hits else float("inf")}
 
 
-if __name__ == "__main__":
-    for n in sys.argv[1:] or ["60", "200", "1000"]:
-        print(bounds(tenants(max(int(n), 512))[:int(n)]))   # the requests `ferry bench prefix` sends
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("hit-rate-bounds", __doc__)
+    parser.add_argument("num_requests", type=int, nargs="*", default=[60, 200, 1000])
+    for n in parser.parse_args(argv).num_requests:
+        print(bounds(tenants(max(n, 512))[:n]))   # the requests `ferry bench prefix` sends
+    return 0

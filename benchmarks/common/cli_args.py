@@ -1,5 +1,5 @@
-"""What every `ferry bench` subcommand shares: the workload flags and requests, the model directory, the machine
-and dtype a result is labelled with, and the JSON report.
+"""What every `ferry bench` benchmark shares: its parser, the workload flags and requests, the model directory, the
+machine and dtype a result is labelled with, and the JSON report.
 """
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ import json
 from pathlib import Path
 
 from benchmarks.common import workloads
+
+
+def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of `ferry bench NAME`, described by its module's docstring."""
+    return argparse.ArgumentParser(prog=f"ferry bench {name}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 from base.config import EngineConfig
+from benchmarks.common.cli_args import bench_parser
 from benchmarks.engine.roofline import start_decoding
 from ferry.engine import Engine
 from gpu_worker.cpu import quantized_linears
@@ -39,7 +39,7 @@ def finish(engine: Engine) -> None:
 
 
 def parsed(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine.gguf_blocks")
+    parser = bench_parser("gguf-blocks", __doc__)
     parser.add_argument("--batches", type=lambda text: tuple(int(b) for b in text.split(",")), default=BATCHES,
                         help="comma-separated batch sizes (default %(default)s)")
     parser.add_argument("--max-quantized-rows", type=int,
@@ -48,8 +48,8 @@ def parsed(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parsed(argv or [])
+def main(argv: list[str]) -> int:
+    args = parsed(argv)
     if args.max_quantized_rows is not None:
         quantized_linears.MAX_QUANTIZED_ROWS = dict.fromkeys(quantized_linears.MAX_QUANTIZED_ROWS,
                                                              args.max_quantized_rows)
@@ -68,7 +68,4 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {batch} | {slow:.1f} | {fast:.1f} | {slow / fast:.2f}x |")
         finish(fp32)
         finish(blocks)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
 from benchmarks.common.workloads import BenchRequest
 from ferry import Engine, EngineConfig, SamplingParams
 
@@ -75,3 +77,29 @@ def peak_blocks(model: str, dtype: str, requests: list, prefix_caching: bool) ->
         stats = engine.stats()
         peak = max(peak, stats.num_blocks - stats.num_free_blocks)
     return peak
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("memory", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--kv-cache-memory", type=int, default=16 * 2048 * 23040,
+                        help="bytes; the default holds 16 contiguous max_model_len sequences of SmolLM2 in bf16")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-steps", type=int, default=120)
+    parser.add_argument("--plot-dir", type=Path)
+    args = parser.parse_args(argv)
+    directory = model_dir(args)
+    requests = load_requests(args, directory)
+    traces = paged_vs_contiguous(directory, args.dtype, requests, args.kv_cache_memory, args.max_model_len,
+                                 args.max_steps)
+    summaries = {t.layout: t.summary() for t in traces}
+    result = {"kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len, **summaries,
+              "running_ratio_paged_vs_contiguous": round(summaries["paged"]["peak_running"]
+                                                         / max(1, summaries["contiguous"]["peak_running"]), 3),
+              "parallel_sampling": parallel_sampling_saving(directory, args.dtype)}
+    if args.plot_dir:
+        from benchmarks.common.plots import kv_occupancy
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        kv_occupancy(traces, args.plot_dir / "kv_occupancy.png")
+    report(args, result)
+    return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from base.config import EngineConfig
+from benchmarks.common.cli_args import add_batch_args, add_dtype_arg, bench_parser, machine, report
 from benchmarks.engine.roofline import start_decoding
 from ferry.engine import Engine
 
@@ -105,3 +106,22 @@ def measure(shapes: MoeShapes, dtype: str = "auto", batch: int = 32, prompt_len:
     return MoeStepResult(shapes, batch, prompt_len + 1 + repeats // 2, str(torch_dtype).removeprefix("torch."),
                          round(statistics.median(moe_times) * 1e3, 3), round(statistics.median(dense_times) * 1e3, 3),
                          shapes.active_parameters(moe=True), shapes.active_parameters(moe=False))
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("moe", __doc__)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--expert-size", type=int, default=512, help="each expert's intermediate size")
+    add_dtype_arg(parser)
+    add_batch_args(parser, prompt_len=64)
+    parser.add_argument("--repeats", type=int, default=32, help="decode steps timed per model, interleaved")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    shapes = MoeShapes(hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts,
+                       top_k=args.top_k, expert_size=args.expert_size)
+    result = measure(shapes, args.dtype, args.batch, args.prompt_len, args.repeats)
+    report(args, {"machine": machine(), **result.as_dict()})
+    return 0

@@ -1,12 +1,15 @@
 """Offline throughput: Ferry's engine in its modes, and transformers `generate`, on the same requests."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from benchmarks.common.cli_args import (add_workload_args, bench_parser, concrete_dtype, load_requests, machine,
+                                        model_dir, report)
 from benchmarks.common.workloads import BenchRequest
 from ferry import Engine, EngineConfig, SamplingParams
 
@@ -115,3 +118,35 @@ def run_transformers(model_dir: str, dtype: str, requests: list[BenchRequest], b
     synchronize(target)
     seconds = time.perf_counter() - started
     return OfflineResult("transformers", seconds, sum(r.max_tokens for r in requests), len(requests))
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("offline", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--modes", default="continuous,hf",
+                        help="comma list of continuous, static, contiguous, no-prefix-cache, eager (no CUDA "
+                             "graphs), hf")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    directory = model_dir(args)
+    requests = load_requests(args, directory)
+    progress = sys.stderr.isatty()
+    dtype = concrete_dtype(args.dtype)   # transformers runs in the dtype the engine computes in
+    results = {}
+    for mode in args.modes.split(","):
+        if mode == "hf":
+            results[mode] = run_transformers(directory, dtype, requests, args.hf_batch_size, progress).as_dict()
+        else:
+            config = ferry_config(directory, dtype, mode, args.max_num_seqs, args.kv_cache_memory)
+            results[mode] = run_ferry(config, mode, requests, progress).as_dict()
+        print(f"[bench] {mode}: {results[mode]['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+    ratios = {f"{m}/hf": round(r["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"], 3)
+              for m, r in results.items() if m != "hf" and "hf" in results}
+    if "continuous" in results and "static" in results:
+        ratios["continuous/static"] = round(results["continuous"]["output_tokens_per_s"]
+                                            / results["static"]["output_tokens_per_s"], 3)
+    report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
+                  "dtype": dtype, "machine": machine(), "results": results, "ratios": ratios})
+    return 0

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoConfig
 
+from benchmarks.common.cli_args import (add_batch_args, add_model_args, bench_parser, concrete_dtype, machine,
+                                        model_dir, report)
 from ferry import Engine, EngineConfig, SamplingParams
 from gpu_worker.model import ModelShape
 
@@ -165,3 +167,22 @@ def measure_memory_bound(model_dir: str, dtype: str = "bfloat16", batch: int = 6
                           copy_gb_s=round(copy_bandwidth_gb_s(target), 1),
                           weight_gb=round(linear_parameters(model) * element / 1e9, 4), kv_gb=round(kv_bytes / 1e9, 4),
                           step_ms=round(median(walls), 3), forward_ms=round(median(forwards), 3))
+
+
+def main(argv: list[str]) -> int:
+    """On a GPU the decode step against the memory bound (weights and KV read at the measured bandwidth), on a CPU
+    against the FLOP limit."""
+    parser = bench_parser("roofline", __doc__)
+    add_model_args(parser)
+    add_batch_args(parser, prompt_len=128)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed (the median is reported)")
+    parser.add_argument("--matmul-size", type=int, default=4096, help="the square fp32 matmul that sets the peak")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if torch.cuda.is_available():
+        result = measure_memory_bound(model_dir(args), concrete_dtype(args.dtype), args.batch, args.prompt_len,
+                                      args.steps)
+    else:
+        result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.steps, args.matmul_size)
+    report(args, {"machine": machine(), **result.as_dict()})
+    return 0

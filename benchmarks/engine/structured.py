@@ -21,6 +21,7 @@ import torch
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from base.structured_output import StructuredOutput
+from benchmarks.common.cli_args import add_batch_args, add_model_args, bench_parser, machine, model_dir, report
 from ferry.engine import Engine
 
 FIELDS_PER_SCHEMA = 8
@@ -144,3 +145,19 @@ def measure(model_dir: str, dtype: str = "auto", batch: int = 32, prompt_len: in
     torch_dtype = str(next(engine.worker.runner.model.parameters()).dtype).removeprefix("torch.")
     return StructuredResult(batch, torch_dtype, round(constrained_ms, 3), round(unconstrained_ms, 3), timed,
                             round(cold_ms, 3), round(cached_ms, 3), round(free_ms, 3))
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("structured", __doc__)
+    add_model_args(parser)
+    add_batch_args(parser, prompt_len=64)
+    parser.add_argument("--repeats", type=int, default=32, help="decode steps timed per batch, interleaved")
+    parser.add_argument("--trials", type=int, default=5, help="lone requests timed per time-to-first-token case")
+    parser.add_argument("--json", action="store_true", help="print one JSON object, not a markdown table")
+    args = parser.parse_args(argv)
+    result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.repeats, args.trials)
+    if args.json:
+        report(args, {"machine": machine(), **result.as_dict()})
+    else:
+        print(f"{machine()}, {result.dtype}, {result.timed_steps} decode steps timed\n\n{result.markdown()}")
+    return 0

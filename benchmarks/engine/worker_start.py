@@ -12,12 +12,14 @@ import time
 import torch
 from transformers import AutoConfig
 
-from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
+from benchmarks.common.cli_args import bench_parser
 from gpu_worker.cpu.quantized_linears import QuantizedLinear
+from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
 from gpu_worker.worker import Worker, model_class
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
+    bench_parser("worker-start", __doc__).parse_args(argv)
     model_dir = resolve_model_dir("")
     config = AutoConfig.from_pretrained(model_dir)
     family = model_class(config.model_type)
@@ -28,7 +30,4 @@ def main() -> None:
     seconds = time.perf_counter() - start
     quantized = sum(isinstance(m, QuantizedLinear) for m in model.modules())
     print(f"load_model {seconds:.2f} s, {quantized} linears from GGUF blocks")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.common.cli_args import bench_parser
 from benchmarks.gpu import steps as gpu_steps
 
 # (step, its own timeout in seconds); the first group runs side by side, the second in order
@@ -36,7 +37,7 @@ def run_step(name: str, timeout: float, work: Path, logs: Path, smoke: bool) -> 
     if timeout <= 1:
         return {"status": "not run: no time left in the budget"}
     started = time.perf_counter()
-    args = [sys.executable, "-m", "benchmarks.gpu.check", "--step", name, "--work", str(work)]
+    args = [sys.executable, "-m", "benchmarks", "gpu-check", "--step", name, "--work", str(work)]
     with open(logs / f"{name}.log", "w") as log:
         try:
             run = subprocess.run(args + (["--smoke"] if smoke else []), stdout=subprocess.PIPE, stderr=log,
@@ -93,8 +94,8 @@ def run_one(name: str, work: Path, smoke: bool) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    parser = bench_parser("gpu-check", __doc__)
     parser.add_argument("out", nargs="?", help="folder for summary.json and the steps' logs")
     parser.add_argument("--budget-s", type=float, default=330.0, help="all steps together end within this")
     parser.add_argument("--work-dir", help="where the random models are written (default: a temporary folder)")
@@ -113,6 +114,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu_check] {name}: {step['status']} ({step.get('seconds', 0)} s)", flush=True)
     return 0 if summary["all_ok"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -215,8 +215,8 @@ def kv_bytes(plan: Plan, gib: float) -> int:
 
 def seeds_claims(plan: Plan, work: Path) -> dict:
     """Continuous vs static batching, and paged vs contiguous KV in the same memory, on long-tailed lengths."""
-    from benchmarks.engine.offline import ferry_config, run_ferry
     from benchmarks.common.workloads import generate
+    from benchmarks.engine.offline import ferry_config, run_ferry
 
     directory = str(model_dir(plan, work, plan.bench_shape, torch.bfloat16))
     requests = [BenchRequest(r.prompt_token_ids, min(r.max_tokens, plan.tailed_max_output))

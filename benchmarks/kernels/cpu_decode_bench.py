@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common.cli_args import bench_parser
 from kernels import cpu_decode, reference, torch_paged
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,8 +72,8 @@ def make_layer(context_lens: list[int], num_kv_heads: int, head_dim: int, block_
     return k_cache, v_cache, tables
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = bench_parser("cpu-kernel", __doc__)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--min-context", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=2048)
@@ -97,7 +98,7 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.cpu_time and args.threads != 1:
         raise SystemExit("--cpu-time needs --threads 1 (the kernel then runs on the calling thread)")
@@ -191,6 +192,3 @@ def main(argv=None) -> int:
             json.dump({"args": vars(args), "kv_mb_per_call": kv_bytes / 1e6, "results": results}, f, indent=2)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common.cli_args import bench_parser
 from benchmarks.engine.structured import row_schema
 
 BATCH, STEPS = 32, 40
@@ -75,7 +76,8 @@ def llguidance_rows(tokenizer, vocab_size: int) -> None:
         fill, lambda matcher, token: matcher.consume_token(token))
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
+    bench_parser("grammar-engines", __doc__).parse_args(argv)
     from transformers import AutoTokenizer
 
     from gpu_worker.loading.model_files import default_model_dir
@@ -85,7 +87,4 @@ def main() -> None:
     for _ in range(2):   # alternately, so that machine noise falls on both
         xgrammar_rows(tokenizer, len(tokenizer))
         llguidance_rows(tokenizer, len(tokenizer))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common.cli_args import bench_parser
 
 # Published peak memory bandwidth (GB/s), used when the driver does not report clock and bus width.
 KNOWN_PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0,
@@ -123,8 +124,8 @@ def format_row(result: DecodeResult) -> str:
             f"{result.ratio_to_sdpa:>9.2f}x")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = bench_parser("kernel", __doc__)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -137,11 +138,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_bench: no CUDA device here; the Triton decode kernel benchmark needs a GPU (nothing run). "
-              "The CPU decode kernel has its own: python -m benchmarks.kernels.cpu_decode_bench")
+              "The CPU decode kernel has its own: ferry bench cpu-kernel")
         return 0
     peak = args.peak_gbps or peak_bandwidth_gbps(torch.device("cuda"))
     print(f"device: {torch.cuda.get_device_name()}  peak {peak:.0f} GB/s  batch {args.batch}  "
@@ -162,6 +163,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "results": rows}, f, indent=2)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,9 +10,10 @@ import sys
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
+from benchmarks.common.workloads import BenchRequest
 from benchmarks.services.serve import run_load
 from benchmarks.services.served_stack import ServedStack
-from benchmarks.common.workloads import BenchRequest
 from ferry.launcher import free_port
 
 MODES = {"on": [], "off": ["--no-async-scheduling"]}
@@ -50,3 +51,15 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
             "tok_s_on_over_off": round(total("on", "output_tokens_per_s") / total("off", "output_tokens_per_s"), 3),
             "worker_idle_share": {mode: round(total(mode, "worker_idle_s") / total(mode, "duration_s"), 4)
                                   for mode in MODES}}
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("async", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    directory = model_dir(args)
+    report(args, run(args, load_requests(args, directory), directory))
+    return 0

@@ -21,7 +21,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from base.cluster_auth import token_metadata
-from benchmarks.services.chaos_faults import Fault, poison_token
+from benchmarks.common.cli_args import add_model_args, bench_parser, machine, model_dir, report
+from benchmarks.services.chaos_faults import Fault, poison_token, scenarios
 from benchmarks.services.served_stack import ServedStack
 from ferry.launcher import free_port
 from gpu_worker.fault import CRASH_ON_TOKEN_ENV
@@ -176,3 +177,22 @@ def run(model: str, faults: list[Fault], clients: int = 8, max_tokens: int = 64,
         return [run_scenario(stack, fault, reference, clients, max_tokens, warm_s, tail_s, deadline_s)
                 for fault in faults]
 
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("chaos", __doc__)
+    add_model_args(parser)
+    parser.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--stop-seconds", type=float, default=10.0, help="how long a scheduler stays SIGSTOPped")
+    parser.add_argument("--redis-down-seconds", type=float, default=30.0, help="how long Redis stays SIGSTOPped")
+    parser.add_argument("--only", default="", help="comma list of scenario names to run (default: all)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    # float32: each answer is the same whatever batch it shares, so a resumed stream can be checked token for token
+    parser.set_defaults(dtype="float32")
+    args = parser.parse_args(argv)
+    faults = scenarios(args.stop_seconds, args.redis_down_seconds)
+    if args.only:
+        faults = [f for f in faults if f.name in args.only.split(",")]
+    rows = run(model_dir(args), faults, args.clients, args.max_tokens, up_flags=("--dtype", args.dtype))
+    report(args, {"machine": machine(), "clients": args.clients, "max_tokens": args.max_tokens, "scenarios": rows})
+    return 0 if all(r["done"] == r["requests"] and not r["wrong"] for r in rows) else 1

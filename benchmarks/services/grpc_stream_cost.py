@@ -10,16 +10,15 @@ each: the pattern of a decode step at batch `--streams`. Reports each side's CPU
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
 import os
-import sys
 import time
 
 import grpc
 
+from benchmarks.common.cli_args import bench_parser
 from ferry.launcher import free_port
 
 SERVICE, METHOD = "ferry.bench.Stream", "Tokens"
@@ -91,8 +90,8 @@ def measure(streams: int, messages: int, interval: float) -> dict:
             "client_us_per_message": round(client_cpu / received * 1e6, 1)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    parser = bench_parser("grpc-stream-cost", __doc__)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--messages", type=int, default=200, help="per stream")
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between rounds of messages")
@@ -107,6 +106,3 @@ def main(argv: list[str] | None = None) -> int:
               "of CPU per message")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from base.cluster_auth import token_metadata
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
+from benchmarks.common.workloads import BenchRequest
 from benchmarks.services.serve import run_load
 from benchmarks.services.served_stack import ServedStack
-from benchmarks.common.workloads import BenchRequest
-from base.cluster_auth import token_metadata
 from protos import scheduler_pb2, scheduler_pb2_grpc
-
 
 
 @dataclass(frozen=True)
@@ -161,3 +161,22 @@ def run(args, requests: list[BenchRequest]) -> dict:
     print(table(runs), file=sys.stderr, flush=True)
     return {"workload": str(args.workload_file or args.workload), "num_prompts": len(requests),
             "dtype": args.dtype, "runs": runs, "claims": claims(runs)}
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("prefix", __doc__)
+    add_workload_args(parser)
+    parser.set_defaults(workload="shared_prefix")
+    parser.add_argument("--request-rate", default="1,inf",
+                        help="req/s, comma list; inf = all at once (see above for why two)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=256)
+    parser.add_argument("--configs", default="single,single_no_prefix_cache,cache_aware_x2,round_robin_x2",
+                        help="comma list of the stacks to start: single, single_no_prefix_cache and "
+                             "<policy>_x2 for cache_aware, round_robin, least_loaded, random, approximate")
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes per scheduler (0: the default)")
+    parser.add_argument("--device", default="", help="passed to ferry up (default: its own)")
+    args = parser.parse_args(argv)
+    requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
+    report(args, run(args, requests))
+    return 0

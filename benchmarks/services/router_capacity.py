@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.common.cli_args import bench_parser, model_dir, report
 from benchmarks.services.router_load_clients import PROMPT, BenchOptions, client_process
 from ferry.launcher import free_port
 from router.workers import children_of
@@ -73,7 +74,7 @@ def start_services(options: BenchOptions, workdir: str) -> Services:
     send_log = f"{workdir}/send_times.json"
     processes = [subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "no"], stdout=subprocess.DEVNULL)]
-    scheduler = subprocess.Popen([sys.executable, "-m", "benchmarks.services.synthetic_scheduler",
+    scheduler = subprocess.Popen([sys.executable, "-m", "benchmarks", "synthetic-scheduler",
                                   "--port", str(scheduler_port), "--redis-url", redis_url,
                                   "--model-path", options.model_path,
                                   "--step-interval", str(options.step_interval), "--batch", str(options.batch),
@@ -209,3 +210,40 @@ def plot_tokens_per_s(runs: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# flag, type, default, help
+FLAGS = [
+    ("--model", str, "", "tokenizer directory (default: SmolLM2-135M-Instruct's)"),
+    ("--clients", str, "64", "concurrent streams, comma list for a sweep"),
+    ("--apis", str, "grpc,sse,http", "comma list of grpc, sse (OpenAI streamed), http (OpenAI, not streamed)"),
+    ("--duration", float, 5.0, "seconds of load per run"),
+    ("--max-tokens", int, 128, "per request"),
+    ("--step-interval", float, 0.01, "seconds per synthetic engine step"),
+    ("--batch", int, 256, "most requests the synthetic scheduler runs at once"),
+    ("--workers", int, 1, "router processes (python -m router --workers)"),
+    ("--stream-interval", int, 0, "tokens per message clients ask for"),
+]
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("router", __doc__)
+    for flag, kind, default, text in FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=text)
+    parser.add_argument("--plot-dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    tokenizer_dir = args.model or model_dir(args)   # only its tokenizer is read: no config.json needed
+    options = BenchOptions(tokenizer_dir, [int(c) for c in args.clients.split(",")], args.apis.split(","),
+                           args.duration, args.max_tokens, args.step_interval, args.batch, args.workers,
+                           args.stream_interval)
+    result = run(options)
+    for r in result["runs"]:
+        print(f"[bench] {r['api']} x{r['clients']}: {r['tokens_per_s']:.0f} tok/s, "
+              f"{r['router_cpu_us_per_token']} us router CPU/token, added p50 {r['added_latency_ms_p50']} ms "
+              f"p99 {r['added_latency_ms_p99']} ms", file=sys.stderr)
+    if args.plot_dir:
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        plot_tokens_per_s(result["runs"], args.plot_dir / f"router_capacity_w{args.workers}.png")
+    report(args, result)
+    return 0

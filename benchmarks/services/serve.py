@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
 from benchmarks.common.workloads import BenchRequest
 from protos import common_pb2, router_pb2, router_pb2_grpc
 
@@ -121,3 +124,32 @@ def summarize(timings: list[RequestTiming], duration: float, peak: int) -> dict:
         "tpot_s": percentiles([t.tpot for t in done if t.tpot is not None]), "itl_s": percentiles(itl),
         "e2e_s": percentiles([t.e2e for t in done]), "ttft_samples_s": [round(t.ttft, 4) for t in done],
     }
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("serve", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--target", default="127.0.0.1:50051", help="router gRPC address, or HTTP base URL")
+    parser.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
+    parser.add_argument("--request-rate", default="inf", help="req/s, comma list for a sweep; inf = all at once")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=256)
+    parser.add_argument("--plot-dir", type=Path)
+    args = parser.parse_args(argv)
+    requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
+    requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
+    rates = [float(r) for r in args.request_rate.split(",")]
+    runs = []
+    for rate in rates:
+        result = asyncio.run(run_load(requests, args.target, rate, args.max_concurrency, args.backend))
+        print(f"[bench] rate {rate}: {result['output_tokens_per_s']:.1f} output tok/s, "
+              f"{result['failed']} failed", file=sys.stderr)
+        runs.append((rate, result))
+    if args.plot_dir:
+        from benchmarks.common.plots import throughput_vs_rate, ttft_distribution
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        throughput_vs_rate(runs, args.plot_dir / "throughput_vs_rate.png")
+        for rate, result in runs:
+            ttft_distribution(result["ttft_samples_s"], args.plot_dir / f"ttft_rate_{rate:g}.png")
+    report(args, {"backend": args.backend, "runs": [{"request_rate": str(r), **res} for r, res in runs]})
+    return 0

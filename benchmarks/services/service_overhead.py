@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
+from benchmarks.common.workloads import BenchRequest
 from benchmarks.engine.offline import ferry_config, run_ferry
 from benchmarks.services.serve import run_load
 from benchmarks.services.served_stack import ServedStack
-from benchmarks.common.workloads import BenchRequest
 
 
 @dataclass
@@ -78,3 +79,14 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
             "spans_received": counter.spans,
             "ratios": {"served/offline": round(served_ratio, 3), "traced/untraced": round(tracing_ratio, 3)},
             "claims": {"served_within_90pct": served_ratio >= 0.9, "tracing_within_3pct": tracing_ratio >= 0.97}}
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("split", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    args = parser.parse_args(argv)
+    directory = model_dir(args)
+    report(args, run(args, load_requests(args, directory), directory))
+    return 0

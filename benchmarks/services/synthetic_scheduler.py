@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from base import event_loop
+from benchmarks.common.cli_args import bench_parser
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.registry import SchedulerInfo
 from scheduler.registry import Registry
@@ -149,8 +149,8 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str]) -> int:
+    parser = bench_parser("synthetic-scheduler", __doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--model-path", required=True, help="directory with tokenizer.json")
@@ -161,6 +161,3 @@ def main(argv: list[str] | None = None) -> int:
     event_loop.run(serve(parser.parse_args(argv)))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
