@@ -1,6 +1,6 @@
 """`ferry bench cluster`: every routing policy at several Poisson request rates on a simulated cluster of N real
-schedulers (benchmarks/cluster/cluster_sim.py). Reports per policy and rate: output tok/s, TTFT p50/p90/p99, prefix hit
-rate (prefix-cache hit tokens / looked-up prompt tokens, the schedulers' own counters) and load imbalance (the
+schedulers (benchmarks/cluster/cluster_sim.py). Reports per policy and rate: output tok/s, TTFT p50/p90/p99, prefix
+hit rate (prefix-cache hit tokens / looked-up prompt tokens, the schedulers' own counters) and load imbalance (the
 busiest scheduler's busy time over the mean). Rates are given per scheduler, so one command compares cluster
 sizes at the same load per scheduler; the report also gives the cluster's rate.
 """
@@ -119,7 +119,7 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def claims(runs: list[dict]) -> dict:
-    """Issue 18's simulation targets, per cluster size: at round_robin's 2 s rate, cache_aware vs round_robin;
+    """The routing targets, per cluster size: at round_robin's 2 s rate, cache_aware vs round_robin;
     at every rate, cache_aware vs least_loaded."""
     by_key = {(r["num_schedulers"], r["policy"], r["request_rate"]): r for r in runs}
     out = {}

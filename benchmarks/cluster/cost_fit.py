@@ -1,8 +1,8 @@
-"""`ferry bench cost-fit`: the cluster simulation's step cost model fitted on this machine (issue 18).
+"""`ferry bench cost-fit`: the cluster simulation's step cost model fitted on this machine.
 
 The real engine (scheduler + worker in one process, the default model unless --model) runs batches of random
 prompts of several lengths to completion; every step is timed (schedule, forward, sample, update) and described by
-the work the cost model counts (`benchmarks/cost_model.step_work`: tokens prefilled, sequences decoded, context
+the work the cost model counts (`benchmarks/cluster/cost_model.step_work`: tokens prefilled, sequences decoded, context
 read). A least-squares fit of
 
     seconds = fixed + prefill_token * prefill tokens + decode_seq * decoded sequences + context_token * context

@@ -1,11 +1,12 @@
-"""The best prefix hit rate any policy can reach on `tenants` over 2 schedulers whose pools never evict (issue 18).
+"""`ferry bench hit-rate-bounds`: the best prefix hit rate any policy can reach on `tenants` over 2 schedulers
+whose pools never evict.
 
 A request can hit at most its tenant's prefix (in full blocks; the last prompt token is always recomputed), and only
 once that prefix was prefilled on the same scheduler. Sending each tenant to one scheduler (the best cache-aware
 routing can do) costs one cold prefill per tenant; round robin alternates every request between the two, so a
 tenant seen more than once is cold on both. Hit rate = hit tokens / prompt tokens, as the schedulers count it.
 
-    python -m benchmarks.cluster.hit_rate_bounds 60 200 1000
+    ferry bench hit-rate-bounds 60 200 1000
 """
 from __future__ import annotations
 

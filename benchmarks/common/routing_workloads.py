@@ -1,4 +1,4 @@
-"""Workloads where routing matters (issue 18), generated deterministically from a seed (numpy's default_rng).
+"""Workloads where routing matters, generated deterministically from a seed (numpy's default_rng).
 
 - `tenants`: T tenants, each with its own long system prompt / document (512-2,048 tokens); tenant popularity is
   Zipf (s ~ 1.1: tenant k is picked with weight 1 / k^s); each request = its tenant's prefix + a short question.

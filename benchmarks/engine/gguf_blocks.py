@@ -1,8 +1,9 @@
-"""Issue 17: decode steps of a model from a GGUF file on the CPU with its linears multiplied from the file's Q4_1 /
-Q8_0 blocks against the same model in fp32 weights (FERRY_CPU_GGUF_BLOCKS=0), at several batch sizes.
-`python -m benchmarks.engine.gguf_blocks [--batches 1,4,16,32] [--max-quantized-rows N]` (the default model): two engines,
-their steps timed alternately at each batch; --max-quantized-rows moves the batch above which the blocks' engine
-uses its fp32 linears (gpu_worker.cpu.quantized_linears.MAX_QUANTIZED_ROWS), to measure where the blocks still win.
+"""`ferry bench gguf-blocks`: decode steps of a model from a GGUF file on the CPU with its linears multiplied from
+the file's Q4_1 / Q8_0 blocks against the same model in fp32 weights (FERRY_CPU_GGUF_BLOCKS=0), at several batch
+sizes. `ferry bench gguf-blocks [--batches 1,4,16,32] [--max-quantized-rows N]` (the default model): two engines,
+their steps timed alternately at each batch, the medians in a markdown table; --max-quantized-rows moves the batch
+above which the blocks' engine uses its fp32 linears (gpu_worker.cpu.quantized_linears.MAX_QUANTIZED_ROWS), to
+measure where the blocks still win.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""KV memory: how many sequences run at once in the same KV bytes, paged vs contiguous, and how much of the
-reserved KV holds real tokens; and the blocks that n=4 parallel sampling saves by sharing its prompt."""
+"""`ferry bench memory`: KV memory, from the in-process Engine's block manager step by step: how many sequences
+run at once in the same KV bytes, paged vs contiguous, and how much of the reserved KV holds real tokens; and the
+blocks that n=4 parallel sampling saves by sharing its prompt."""
 from __future__ import annotations
 
 import random

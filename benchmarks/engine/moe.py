@@ -1,4 +1,4 @@
-"""Issue 26: a decode step of a mixture-of-experts model against a dense model of the same active parameters.
+"""`ferry bench moe`: a decode step of a mixture-of-experts model against a dense model of the same active parameters.
 
 Two tiny random models saved by transformers: a Mixtral (num_experts experts of expert_size, top_k of them per
 token) and a Llama whose MLP is top_k * expert_size wide, with the same attention, embeddings and head. A token

@@ -1,4 +1,7 @@
-"""Offline throughput: Ferry's engine in its modes, and transformers `generate`, on the same requests."""
+"""`ferry bench offline`: offline throughput of Ferry's in-process Engine in its modes (continuous, static batching,
+contiguous KV, no prefix cache, eager) and of transformers `generate` (static left-padded batches), on the same
+greedy requests: output tokens over the wall time from the first request added to the last finished, after a
+warm-up; for the engine also its steps, forward time, preemptions and the most sequences one step ran."""
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,4 @@
-"""`ferry bench roofline`: a decode step against the machine's FLOP limit (issue 17).
+"""`ferry bench roofline`: a decode step against the machine's FLOP limit (CPU) or its memory bound (GPU).
 
 The limit of a decode step is its arithmetic over the fastest a large fp32 (or the model's dtype) matmul runs on
 the same cores: 2 x (the linear layers' parameters, LM head included) x batch, plus attention's 4 x layers x heads x

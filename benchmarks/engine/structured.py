@@ -1,4 +1,4 @@
-"""Issue 19: what structured outputs cost. `ferry bench structured`.
+"""`ferry bench structured`: what structured outputs cost.
 
 Decode: two engines of the same model and config each hold `batch` prefilled sequences of the same random
 prompts; in one every row follows its own JSON schema (the scheduler's grammar matchers fill a token bitmask per

@@ -1,9 +1,10 @@
-"""Issue 17: what a worker start spends loading the default model's weights in fp32 on the CPU, GGUF blocks included
-(read from the GGUF file on a first start, from ~/.cache/ferry/gguf-blocks after it).
+"""`ferry bench worker-start`: the wall time of a CPU worker's `load_model` of the default model in fp32, GGUF
+blocks included (read from the GGUF file on a first start, from ~/.cache/ferry/gguf-blocks after it), and how many
+linears then multiply from the blocks.
 
-    python -m benchmarks.engine.worker_start                              # as a start finds the cache now
-    rm -rf ~/.cache/ferry/gguf-blocks && python -m benchmarks.engine.worker_start   # a first start
-    FERRY_CPU_GGUF_BLOCKS=0 python -m benchmarks.engine.worker_start      # fp32 weights only
+    ferry bench worker-start                                              # as a start finds the cache now
+    rm -rf ~/.cache/ferry/gguf-blocks && ferry bench worker-start         # a first start
+    FERRY_CPU_GGUF_BLOCKS=0 ferry bench worker-start                      # fp32 weights only
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The GPU check: Ferry on one NVIDIA GPU, every step a process of its own, one JSON summary (scripts/gpu_check.sh).
+"""`ferry bench gpu-check` (scripts/gpu_check.sh): Ferry on one NVIDIA GPU, every step a process of its own, one
+JSON summary.
 
-    python -m benchmarks.gpu.check OUT_DIR [--budget-s 330] [--work-dir DIR] [--smoke]
+    ferry bench gpu-check OUT_DIR [--budget-s 330] [--work-dir DIR] [--smoke]
 
 First the checks that need no quiet device run side by side (the GPU-only tests, token-exactness against
 transformers, `ferry up` answering a chat request); then the timed steps one at a time (Ferry with CUDA graphs

@@ -1,7 +1,8 @@
-"""CPU paged decode attention microbenchmark: the C++ kernel vs a baseline build of it (an older git revision) vs
-the torch paths, on shapes like the engine's `mixed` workload.
+"""`ferry bench cpu-kernel`: CPU paged decode attention alone, the C++ kernel vs a baseline build of it (an older
+git revision) vs the torch paths, on shapes like the engine's `mixed` workload: milliseconds a call and effective
+GB/s per implementation.
 
-    .venv/bin/python -m benchmarks.kernels.cpu_decode_bench [--batch 64] [--min-context 64] [--max-context 2048]
+    ferry bench cpu-kernel [--batch 64] [--min-context 64] [--max-context 2048]
         [--baseline-rev e9693e1] [--layers 8] [--rounds 20] [--dtype bfloat16] [--json out.json]
 
 "new+huge" is the new kernel on copies of the pools advised to use 2 MiB pages before their first touch (as

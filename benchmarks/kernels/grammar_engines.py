@@ -1,7 +1,7 @@
-"""Issue 19: xgrammar (what Ferry uses) against llguidance on the default model's tokenizer: the time to compile a
-new JSON schema, and the time to fill the token bitmask of 32 rows, each under its own schema, per decode step (the
-rows advance by random allowed tokens, seeded). llguidance is not a dependency of Ferry: install it beside it
-(`pip install llguidance`), then `python -m benchmarks.kernels.grammar_engines`.
+"""`ferry bench grammar-engines`: xgrammar (what Ferry uses) against llguidance on the default model's tokenizer:
+the time to compile a new JSON schema, and the time to fill the token bitmask of 32 rows, each under its own schema,
+per decode step (the rows advance by random allowed tokens, seeded). llguidance is not a dependency of Ferry: install
+it beside it (`pip install llguidance`), then `ferry bench grammar-engines`.
 """
 from __future__ import annotations
 

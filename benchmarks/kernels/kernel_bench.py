@@ -1,11 +1,11 @@
-"""Decode attention benchmark on a CUDA GPU: Ferry's paged Triton kernel vs dense SDPA over the same tokens.
+"""`ferry bench kernel`: decode attention on a CUDA GPU, Ferry's paged Triton kernel vs dense SDPA over the same tokens.
 
-    python -m benchmarks.kernels.kernel_bench [--batch 64] [--contexts 1024 2048 4096] [--head-dims 64 128]
+    ferry bench kernel [--batch 64] [--contexts 1024 2048 4096] [--head-dims 64 128]
 
 For every (head_dim, context) it reports the paged kernel's time, the bytes it must read (K and V of every
 context token, plus queries, outputs and block tables), the achieved GB/s against the device's peak memory
 bandwidth, and the time ratio to torch's scaled_dot_product_attention over contiguous K/V of the same tokens.
-The C++ CPU decode kernel is measured by benchmarks/kernels/cpu_decode_bench.py.
+The C++ CPU decode kernel is measured by `ferry bench cpu-kernel`.
 """
 from __future__ import annotations
 

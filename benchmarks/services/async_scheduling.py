@@ -1,6 +1,6 @@
-"""`ferry bench async`: the scheduler service with async scheduling on against off, on the same requests, in
-alternating rounds: `ferry up --num-schedulers 1`, all requests sent at once; the worker's waits between steps and
-its time in steps read from the scheduler's `ferry:worker_idle_seconds` and `ferry:worker_step_seconds`.
+"""`ferry bench async`: output tok/s of the scheduler service with async scheduling on against off, on the same
+requests, in alternating rounds: `ferry up --num-schedulers 1`, all requests sent at once; the worker's waits between
+steps and its time in steps read from the scheduler's `ferry:worker_idle_seconds` and `ferry:worker_step_seconds`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Chaos: `ferry up` under steady streaming load while faults strike it one after another. Each scenario is data:
-a fault to inject, how long it lasts, how it is lifted. Each runs the same way: load -> inject -> hold -> lift ->
-wait until the stack serves again -> load a little longer -> check.
+"""`ferry bench chaos`: `ferry up` under steady streaming load while faults strike it one after another. Each
+scenario is data: a fault to inject, how long it lasts, how it is lifted. Each runs the same way: load -> inject ->
+hold -> lift -> wait until the stack serves again -> load a little longer -> check.
 
 What a scenario is judged by, per request: done, failed before its first token, failed mid-stream, wrong (a
 greedy answer that differs from the undisturbed one: a resumed stream must go on token for token), hung (past

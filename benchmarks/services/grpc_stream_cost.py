@@ -1,7 +1,7 @@
-"""What Python gRPC itself costs per streamed message, with no Ferry code: the floor under the router's and the load
-generator's CPU per token in `ferry bench split`.
+"""`ferry bench grpc-stream-cost`: what Python gRPC itself costs per streamed message, with no Ferry code: the
+floor under the router's and the load generator's CPU per token in `ferry bench split`.
 
-    .venv/bin/python -m benchmarks.services.grpc_stream_cost [--streams 64] [--messages 200] [--interval 0.02] [--json]
+    ferry bench grpc-stream-cost [--streams 64] [--messages 200] [--interval 0.02] [--json]
 
 A grpc.aio server (its own process, like the router) holds `--streams` server-streaming calls from one grpc.aio
 client (like the load generator) and, every `--interval` seconds (one engine step), puts one small message on

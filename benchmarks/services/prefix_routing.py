@@ -1,4 +1,4 @@
-"""`ferry bench prefix`: issue 4's speed claims and issue 18's policies, each configuration a real `ferry up` stack.
+"""`ferry bench prefix`: what prefix caching buys and what routing keeps of it, each configuration a real `ferry up`.
 
 (a) TTFT and output tok/s with prefix caching vs `--no-prefix-caching` on one scheduler;
 (b) the prefix hit rate (prefix-cache hit tokens / looked-up prompt tokens, from each scheduler's Stats RPC)
@@ -92,7 +92,8 @@ def measure(config: StackConfig, requests: list[BenchRequest], rate: float, engi
 
 
 def claims(runs: list[dict]) -> dict:
-    """Issue 4's two claims per request rate, from the runs that were made."""
+    """Per request rate, from the runs that were made: prefix caching on vs off (TTFT p50 >= 3x faster, output
+    tok/s higher), and two schedulers' hit rate against one's (cache_aware >= 90% of it)."""
     by_key = {(r["request_rate"], r["config"]): r for r in runs}
     out: dict[str, dict] = {}
     for rate in dict.fromkeys(r["request_rate"] for r in runs):
@@ -117,7 +118,7 @@ def claims(runs: list[dict]) -> dict:
 
 
 def versus_round_robin(cache_aware: dict | None, round_robin: dict | None) -> dict:
-    """Issue 18 on 2 schedulers: cache_aware's hit rate and output tok/s over round_robin's."""
+    """On 2 schedulers: cache_aware's hit rate and output tok/s over round_robin's."""
     if not (cache_aware and round_robin and cache_aware["hit_rate"] and round_robin["hit_rate"]
             and round_robin["serve"]["output_tokens_per_s"]):
         return {}

@@ -1,4 +1,4 @@
-"""`ferry bench router`: how many tokens a second one router relays, and what it costs per token (issue 21).
+"""`ferry bench router`: how many tokens a second one router relays, and what it costs per token.
 
 A synthetic scheduler (benchmarks/services/synthetic_scheduler.py: the real Connect contract and Redis registration, a
 token for each running request every `--step-interval`) stands in for an accelerator; the real router runs in its

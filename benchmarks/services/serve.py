@@ -1,4 +1,6 @@
-"""Online load against a running router: Poisson arrivals, streamed tokens, latency percentiles."""
+"""`ferry bench serve`: online load against a running router (gRPC or the OpenAI HTTP API): requests sent at
+Poisson arrivals (or all at once), every token streamed back and timed on arrival; reports output tok/s, requests
+completed and failed, and TTFT, TPOT and end-to-end latency percentiles per request rate."""
 from __future__ import annotations
 
 import asyncio

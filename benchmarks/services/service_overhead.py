@@ -5,7 +5,8 @@
    all sent at once by the serve load generator, tracing off;
 3. the same again with tracing on: every service exports OTLP to a receiver in this process that counts spans
    (a stand-in for Jaeger, which cannot run here).
-Issue 3's claim is (2)/(1) >= 90%; issue 7's is (3)/(2) >= 97%.
+Reports output tok/s of each and the ratios (2)/(1), what the split costs, and (3)/(2), what tracing costs
+(the targets: >= 90% and >= 97%).
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ like a real scheduler, but computes nothing. Every `--step-interval` seconds it 
 `--batch` running requests (one ConnectResponse per Connect stream per step, as the real one does), so the router
 in front of it sees a GPU's token rate on a machine without one.
 
-    python -m benchmarks.services.synthetic_scheduler --port P --redis-url URL --model-path DIR [--step-interval 0.01]
-        [--batch 256] [--send-log FILE]
+    ferry bench synthetic-scheduler --port P --redis-url URL --model-path DIR [--step-interval 0.01] [--batch 256]
+        [--send-log FILE]
 
 Each emitted token is a single-character token of the model's tokenizer, so a client can count tokens in text.
 With --send-log, on SIGTERM it writes {request_id: [send time of token 0, 1, ...]} (time.time()) as JSON.
