@@ -1,13 +1,18 @@
 """`ferry bench` runs end to end on a tiny model and reports what it promises (no timing thresholds)."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from benchmarks.cli import BENCHMARKS
 from benchmarks.services import grpc_stream_cost
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(*args: str) -> dict:
@@ -15,6 +20,26 @@ def run_bench(*args: str) -> dict:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_benchmark_is_a_module_with_main_run_by_name_only():
+    mains = set()
+    for path in (ROOT / "benchmarks").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
+            mains.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        assert "__main__" not in path.read_text() or path.name == "__main__.py", path
+    assert mains == {bench.module for bench in BENCHMARKS.values()} | {"benchmarks.cli"}
+
+
+def test_ferry_bench_lists_the_benchmarks_and_runs_one_by_name():
+    listed = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0 and all(f"    {name}" in listed.stdout for name in BENCHMARKS)
+    bounds = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "hit-rate-bounds", "60"],
+                            capture_output=True, text=True, timeout=120)
+    assert bounds.returncode == 0, bounds.stderr[-2000:]
+    assert "'num_requests': 60, 'one_scheduler_per_tenant': 0.648, 'round_robin': 0.542" in bounds.stdout
 
 
 def test_offline_bench_compares_modes_and_transformers(tiny_llama_dir, tmp_path):
