@@ -3,7 +3,8 @@
 The dataclass is the one source: the command-line flags (add_engine_arguments), the config they parse into
 (engine_config), the flags that hand a config to another process (engine_flags) and the worker's wire
 InitRequest (init_request) are all generated from its fields. A field's metadata holds what a flag adds:
-its help text, its choices, or the flag that turns a default-on switch off (a default-off one on).
+its help text, its choices, or the flag that turns a default-on switch off (a default-off one on). A field marked
+in_process has no flag: only code that builds an EngineConfig itself sets it (the benchmarks' baselines).
 """
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ class EngineConfig:
     announce_prompts: bool = field(default=False, metadata={
         "switch_on": "--announce-prompts",
         "help": "publish a prompt's blocks to the prefix index when admitted, not once computed (many routers)"})
-    # static | contiguous: the benchmark baselines (scheduler/baselines.py)
-    batching: str = field(default="continuous", metadata={"choices": BATCHING_MODES})
-    kv_layout: str = field(default="paged", metadata={"choices": KV_LAYOUTS})
+    # static | contiguous: the benchmark baselines (scheduler/baselines.py), set on the in-process Engine only
+    batching: str = field(default="continuous", metadata={"choices": BATCHING_MODES, "in_process": True})
+    kv_layout: str = field(default="paged", metadata={"choices": KV_LAYOUTS, "in_process": True})
     attention_backend: str = "auto"       # auto | torch | triton
     seed: int = 0
     hash_seed: int = 0                    # seed of the prefix block hash chain
@@ -90,9 +91,14 @@ def flag_name(config_field: Field) -> str:
     return "--" + config_field.name.replace("_", "-")
 
 
+def flag_fields() -> list[Field]:
+    """The EngineConfig fields a command line sets: all but the in_process ones."""
+    return [config_field for config_field in fields(EngineConfig) if not config_field.metadata.get("in_process")]
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field: --field-name VALUE, or the switch_off / switch_on flag of a bool."""
-    for config_field in fields(EngineConfig):
+    for config_field in flag_fields():
         help_text = config_field.metadata.get("help")
         if "switch_off" in config_field.metadata:
             parser.add_argument(config_field.metadata["switch_off"], dest=config_field.name, action="store_false",
@@ -107,14 +113,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = [config_field.name for config_field in fields(EngineConfig)]
+    names = [config_field.name for config_field in flag_fields()]
     return EngineConfig(**{name: getattr(args, name) for name in names})
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
-    """The flags that give another process this config (what add_engine_arguments parses back into it)."""
-    flags = []
+    """The flags that give another process this config (what add_engine_arguments parses back into it); an
+    in_process field has none, so it must be at its default."""
     for config_field in fields(config):
+        if config_field.metadata.get("in_process") and getattr(config, config_field.name) != config_field.default:
+            raise ValueError(f"{config_field.name} is set in-process only (a benchmark baseline), not by a flag")
+    flags = []
+    for config_field in flag_fields():
         value = getattr(config, config_field.name)
         if "switch_off" in config_field.metadata:
             flags += [] if value else [config_field.metadata["switch_off"]]

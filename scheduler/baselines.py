@@ -1,5 +1,6 @@
 """The benchmark baselines Ferry is measured against, as small overrides of the core's hooks; scheduler_for()
-is the one place that picks them from the config (--batching static, --kv-layout contiguous).
+is the one place that picks them from the config (batching="static", kv_layout="contiguous": fields the
+benchmarks set on the in-process Engine; no service has a flag for them).
 
 - Static batching: a batch (a cohort) is admitted only when nothing runs, and no request joins it mid-flight.
 - Contiguous KV: every sequence reserves max_model_len tokens of blocks up front, and nothing is shared by prefix.

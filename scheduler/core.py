@@ -26,7 +26,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
-from scheduler.stats import stats_response
+from scheduler.stats import StepCounters, stats_response
 from scheduler.stopping import finish_reason
 from scheduler.structured_output import StructuredOutputManager
 
@@ -38,15 +38,6 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     samples: bool
-
-
-@dataclass
-class StepCounters:
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
 
 
 class Scheduler:

@@ -1,15 +1,34 @@
 """The StatsResponse a scheduler answers with: its gauges (queues, KV pool) and cumulative counters."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
 
 from protos import scheduler_pb2
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import Sequence
 
-if TYPE_CHECKING:
-    from scheduler.core import Scheduler
+
+@dataclass
+class StepCounters:
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
 
 
-def stats_response(scheduler: Scheduler) -> scheduler_pb2.StatsResponse:
+class SchedulerState(Protocol):
+    """What the stats read of a scheduler (scheduler.core.Scheduler, which imports this module)."""
+    block_manager: BlockManager
+    block_size: int
+    counters: StepCounters
+    running: list[Sequence]
+    waiting: deque[Sequence]
+
+
+def stats_response(scheduler: SchedulerState) -> scheduler_pb2.StatsResponse:
     bm, counters, block_size = scheduler.block_manager, scheduler.counters, scheduler.block_size
     return scheduler_pb2.StatsResponse(
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_blocks=bm.num_blocks,
@@ -23,7 +42,7 @@ def stats_response(scheduler: Scheduler) -> scheduler_pb2.StatsResponse:
         num_steps=counters.steps)
 
 
-def queued_prefill_tokens(scheduler: Scheduler) -> int:
+def queued_prefill_tokens(scheduler: SchedulerState) -> int:
     """The prefill the waiting queue holds: each waiting prompt less its leading blocks that are cached, or that a
     sequence ahead of it (running, or earlier in the queue) computes first. Ten queued requests of one cold system
     prompt are one prefill of it and ten suffixes, not ten prefills: what a router weighs a queue by."""

@@ -2,7 +2,7 @@
 # Ferry on one NVIDIA GPU, on a fresh machine without internet that has torch and triton (issues 38 and 41):
 #   bash scripts/gpu_check.sh OUT_DIR [--budget-s SECONDS] [--smoke]
 # Installs the wheels in .whl/ if any (scripts/gpu_wheels.sh made them; FERRY_GPU_WHEELS names another folder),
-# generates the gRPC stubs, then runs benchmarks/gpu_check.py, which writes OUT_DIR/summary.json and the steps'
+# generates the gRPC stubs, then runs benchmarks/gpu/check.py, which writes OUT_DIR/summary.json and the steps'
 # logs as OUT_DIR/logs.tgz. --smoke: the same steps at tiny shapes on the CPU (tests/test_gpu_check.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -c "from setup import generate_grpc_stubs; generate_grpc_stubs()" || { echo "[gpu_check] protoc failed" >&2; exit 2; }
-"$PY" -m benchmarks.gpu_check "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+"$PY" -m benchmarks gpu-check "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$OUT/logs"   # one file: the device tool returns few
 exit "$status"

@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from base.tls import TlsConfig
-from benchmarks.exactness import transformers_greedy  # noqa: F401 (the tests import it from here)
-from benchmarks.random_models import build_tiny_tokenizer
+from benchmarks.common.random_models import build_tiny_tokenizer
+from benchmarks.engine.exactness import transformers_greedy  # noqa: F401 (the tests import it from here)
 
 
 def import_interpreted_kernels():

@@ -1,5 +1,5 @@
-"""A synthetic scheduler (benchmarks/synthetic_scheduler.py) served on a free port, in a Router's directory: the
-router's code against a scheduler that answers instantly with known tokens."""
+"""A synthetic scheduler (benchmarks/services/synthetic_scheduler.py) served on a free port, in a Router's directory:
+the router's code against a scheduler that answers instantly with known tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 import grpc
 
-from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
+from benchmarks.services.synthetic_scheduler import SyntheticScheduler, single_character_tokens
 from protos import scheduler_pb2_grpc
 from router.discovery import SchedulerDirectory
 

@@ -1,12 +1,18 @@
 """`ferry bench` runs end to end on a tiny model and reports what it promises (no timing thresholds)."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from benchmarks import grpc_stream_cost
+
+from benchmarks.cli import BENCHMARKS
+from benchmarks.services import grpc_stream_cost
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_bench(*args: str) -> dict:
@@ -14,6 +20,26 @@ def run_bench(*args: str) -> dict:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_benchmark_is_a_module_with_main_run_by_name_only():
+    mains = set()
+    for path in (ROOT / "benchmarks").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
+            mains.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        assert "__main__" not in path.read_text() or path.name == "__main__.py", path
+    assert mains == {bench.module for bench in BENCHMARKS.values()} | {"benchmarks.cli"}
+
+
+def test_ferry_bench_lists_the_benchmarks_and_runs_one_by_name():
+    listed = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0 and all(f"    {name}" in listed.stdout for name in BENCHMARKS)
+    bounds = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "hit-rate-bounds", "60"],
+                            capture_output=True, text=True, timeout=120)
+    assert bounds.returncode == 0, bounds.stderr[-2000:]
+    assert "'num_requests': 60, 'one_scheduler_per_tenant': 0.648, 'round_robin': 0.542" in bounds.stdout
 
 
 def test_offline_bench_compares_modes_and_transformers(tiny_llama_dir, tmp_path):
@@ -98,7 +124,7 @@ def test_async_bench_serves_the_same_requests_with_async_scheduling_on_and_off_a
 
 
 def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_prefixes():
-    from benchmarks.workloads import BenchRequest, extend
+    from benchmarks.common.workloads import BenchRequest, extend
 
     base = [BenchRequest(list(range(start, start + n)), m) for start, n, m in [(1000, 20, 5), (5000, 33, 7)]]
     longer = extend(base, 6)
@@ -126,9 +152,10 @@ def test_moe_bench_times_a_mixtral_decode_step_against_a_dense_one_of_the_same_a
 
 
 def test_moe_bench_counts_the_active_parameters_of_the_dense_model_it_builds(tmp_path):
-    from benchmarks.moe import MoeShapes, save_models
-    from benchmarks.roofline import linear_parameters
     from transformers import AutoModelForCausalLM
+
+    from benchmarks.engine.moe import MoeShapes, save_models
+    from benchmarks.engine.roofline import linear_parameters
     shapes = MoeShapes(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4, top_k=2,
                        expert_size=16, vocab_size=64)
     _, dense_dir = save_models(shapes, tmp_path)
@@ -145,11 +172,11 @@ def test_structured_bench_times_constrained_and_unconstrained_decode_and_the_fir
 
 @pytest.mark.slow
 def test_gguf_blocks_bench_times_both_weight_forms_of_the_default_model(monkeypatch, capsys):
-    from benchmarks import gguf_blocks
+    from benchmarks.engine import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "BATCHES", (2,))
     monkeypatch.setattr(gguf_blocks, "STEPS", 2)
     monkeypatch.setenv("FERRY_CPU_GGUF_BLOCKS", "1")   # the bench sets it per engine; restored after the test
-    gguf_blocks.main()
+    assert gguf_blocks.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("121 linears") and lines[-1].startswith("| 2 |")

@@ -5,7 +5,7 @@ differently than undisturbed, and the stack serves again with every KV block fre
 one, its table in BENCHMARKS.md)."""
 from __future__ import annotations
 
-from benchmarks import chaos, chaos_faults
+from benchmarks.services import chaos, chaos_faults
 
 
 def test_the_stack_loses_no_request_through_every_fault_and_recovers(tiny_llama_dir):

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from benchmarks import workloads
-from benchmarks.cluster_bench import RunSpec, router_policies, run_one, sim_requests, summarize
-from benchmarks.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
-from benchmarks.cost_fit import StepSample, fit
-from benchmarks.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
+from benchmarks.cluster.cluster_bench import RunSpec, router_policies, run_one, sim_requests, summarize
+from benchmarks.cluster.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
+from benchmarks.cluster.cost_fit import StepSample, fit
+from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
+from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registry import SchedulerInfo

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from base.sampling_params import SamplingParams
-from benchmarks.random_models import save_random_llama
+from benchmarks.common.random_models import save_random_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA GPU and compiled (not interpreted) Triton kernels")

@@ -31,7 +31,7 @@ def test_every_step_of_the_gpu_check_runs_at_tiny_shapes_and_reports_in_one_summ
 
 
 def test_steps_past_the_budget_are_reported_as_not_run_and_the_check_fails(tmp_path) -> None:
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", str(tmp_path), "--smoke", "--budget-s", "0"],
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "gpu-check", str(tmp_path), "--smoke", "--budget-s", "0"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert run.returncode == 1 and not summary["all_ok"]

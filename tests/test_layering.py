@@ -1,6 +1,8 @@
 """The packages' imports only point down: protos (the contract) < base < kernels < gpu_worker < scheduler; router
-sits on protos and base only; the apps (ferry, benchmarks) on top. And router never loads torch, transformers or
-triton, not even through a module it imports. Every import counts: module level, inside functions, TYPE_CHECKING.
+sits on protos and base only; the apps on top: ferry on all of those, benchmarks above ferry (ferry never imports
+benchmarks: `ferry bench` runs them as `python -m benchmarks`). No module imports one that imports it back, directly
+or round a longer circle. And router never loads torch, transformers or triton, not even through a module it
+imports. Every import counts: module level, inside functions, TYPE_CHECKING.
 """
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["protos", "base", "kernels", "gpu_worker", "scheduler"]   # each may import those before it
-APPS = ["ferry", "benchmarks"]
+APPS = ["ferry", "benchmarks"]                                     # the same, above the core and router
 ALLOWED = {**{package: set(CORE[:i + 1]) for i, package in enumerate(CORE)},
            "router": {"protos", "base", "router"},
-           **{app: set(CORE) | {"router"} | set(APPS) for app in APPS}}
+           **{app: set(CORE) | {"router"} | set(APPS[:i + 1]) for i, app in enumerate(APPS)}}
 HEAVY = {"torch", "transformers", "triton"}
 
 
@@ -56,6 +58,47 @@ def layering_violations(root: Path, allowed: dict[str, set[str]]) -> list[str]:
     return sorted(set(violations))
 
 
+def module_imports(source: str, module: str, modules: dict[str, Path]) -> set[str]:
+    """The modules of `modules` that a module's source imports, file to file: `from a import b` is a/b.py where
+    that is a module, else a/__init__.py (the packages an import passes through are not counted)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute_base(node, module)
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return found & set(modules) - {module}
+
+
+def import_circles(root: Path, packages: list[str]) -> list[list[str]]:
+    """Every set of modules that import one another round a circle (strongly connected components of the import
+    graph, Tarjan's algorithm), each sorted."""
+    modules = package_modules(root, packages)
+    graph = {module: sorted(module_imports(path.read_text(), module, modules)) for module, path in modules.items()}
+    order, lowest, stack, circles = {}, {}, [], []
+
+    def visit(module: str) -> None:
+        order[module] = lowest[module] = len(order)
+        stack.append(module)
+        for imported in graph[module]:
+            if imported not in order:
+                visit(imported)
+                lowest[module] = min(lowest[module], lowest[imported])
+            elif imported in stack:
+                lowest[module] = min(lowest[module], order[imported])
+        if lowest[module] == order[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return sorted(circles)
+
+
 def third_party_reached(root: Path, packages: list[str], start: str) -> set[str]:
     """Top-level names of what start's modules import outside `packages`, directly or through modules of them."""
     modules = package_modules(root, packages)
@@ -76,6 +119,15 @@ def third_party_reached(root: Path, packages: list[str], start: str) -> set[str]
 
 def test_no_package_imports_one_above_it():
     assert layering_violations(ROOT, ALLOWED) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert import_circles(ROOT, list(ALLOWED)) == []
+
+
+def test_ferry_never_imports_the_benchmarks():
+    assert [v for v in layering_violations(ROOT, ALLOWED) if v.startswith("ferry")] == []
+    assert "benchmarks" not in ALLOWED["ferry"]
 
 
 def test_router_never_loads_the_model_libraries():
@@ -100,3 +152,18 @@ def test_the_checks_catch_an_upward_import_and_torch_behind_a_lower_package(tmp_
     (tmp_path / "router/core.py").write_text("from protos.wire import json\n")
     assert layering_violations(tmp_path, allowed) == []
     assert third_party_reached(tmp_path, list(allowed), "router") & HEAVY == set()
+
+
+def test_the_circle_check_finds_a_circle_through_a_type_only_import_and_not_through_a_package(tmp_path):
+    write(tmp_path, {"base/__init__.py": "def select():\n    from base import b\n",
+                     "base/a.py": "from base import b\n",
+                     "base/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from base.c import C\n",
+                     "base/c.py": "from base.a import *\n",
+                     "ferry/__init__.py": "", "ferry/cli.py": "import benchmarks.cli\n",
+                     "benchmarks/__init__.py": "", "benchmarks/cli.py": "from ferry import cli\n"})
+    assert import_circles(tmp_path, ["base"]) == [["base.a", "base.b", "base.c"]]
+    (tmp_path / "base/c.py").write_text("")
+    assert import_circles(tmp_path, ["base"]) == []
+    assert import_circles(tmp_path, ["ferry", "benchmarks"]) == [["benchmarks.cli", "ferry.cli"]]
+    allowed = {package: ALLOWED[package] for package in ("base", "ferry", "benchmarks")}
+    assert layering_violations(tmp_path, allowed) == ["ferry.cli imports benchmarks.cli"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.random_models import save_random_llama
+from benchmarks.common.random_models import save_random_llama
 
 MiB = 1 << 20
 # 169M parameters: 675 MB in fp32, the largest tensor (embedding or head) 131 MB

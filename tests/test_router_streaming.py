@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from benchmarks.synthetic_scheduler import single_character_tokens
+from benchmarks.services.synthetic_scheduler import single_character_tokens
 from protos import common_pb2, router_pb2
 from router.core import Router
 from tests.synthetic_fixtures import synthetic_scheduler

@@ -11,7 +11,7 @@ import time
 import grpc
 import httpx
 
-from benchmarks.synthetic_scheduler import SyntheticScheduler, single_character_tokens
+from benchmarks.services.synthetic_scheduler import SyntheticScheduler, single_character_tokens
 from ferry.launcher import free_port
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2_grpc
 from router.workers import children_of, supervise, worker_argv

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from benchmarks import workloads
-from benchmarks.hit_rate_bounds import bounds
-from benchmarks.routing_workloads import MultiturnShape, TenantsShape, multiturn, tenants
-from benchmarks.workloads import BenchRequest
+from benchmarks.cluster.hit_rate_bounds import bounds
+from benchmarks.common import workloads
+from benchmarks.common.routing_workloads import MultiturnShape, TenantsShape, multiturn, tenants
+from benchmarks.common.workloads import BenchRequest
 
 
 def test_tenants_are_the_same_for_a_seed_and_differ_across_seeds():

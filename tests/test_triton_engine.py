@@ -74,7 +74,7 @@ def test_kernels_imported_before_the_interpreter_was_chosen_run_interpreted_afte
 def test_kernel_benchmark_says_when_there_is_no_gpu(capsys) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run")
-    from benchmarks import kernel_bench
+    from benchmarks.kernels import kernel_bench
     assert kernel_bench.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
 

@@ -23,7 +23,7 @@ from kernels import cpu_quant
 
 log = logging.getLogger(__name__)
 # More rows than this, by the vector path the kernel was built for: the fp32 linear (oneDNN), whose blocking of rows
-# wins once a weight serves many. AVX2, measured on the AVX2 EPYC (benchmarks/gguf_blocks.py, issue 17): the blocks'
+# wins once a weight serves many. AVX2, measured on the AVX2 EPYC (ferry bench gguf-blocks, issue 17): the blocks'
 # kernel is 1.01-1.04x oneDNN on the default model's 576x1536 and 1536x576 linears at 256 rows, 0.93-0.99x at 384;
 # a 256-row decode step 1.16x. AVX-512 (oneDNN multiplies 16 lanes at a time there, the kernel 8) and the portable
 # path keep the limit of the first, in-register kernel, not measured past it.

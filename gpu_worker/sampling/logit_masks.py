@@ -3,14 +3,10 @@ reached) and a structured output's token bitmask (from the scheduler's grammar m
 of them cost nothing."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from base.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from gpu_worker.sampling.sampler import SampleRow
+from gpu_worker.sampling.sample_row import SampleRow
 
 BITS = torch.arange(32, dtype=torch.int32)
 

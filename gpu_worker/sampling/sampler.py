@@ -5,28 +5,14 @@ Runs on the logits' own device: on a GPU only the sampled ids (and any logprobs 
 Seeded rows draw from a generator on that device, so a seed gives one result on a GPU and another on a CPU."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import xxhash
 
 from base.sampling_params import SamplingParams
 from gpu_worker.sampling.logit_masks import adjusts_logits, apply_adjustments
+from gpu_worker.sampling.sample_row import SampleRow
 from kernels import cpu_layers
 from protos import common_pb2
-
-
-@dataclass
-class SampleRow:
-    params: SamplingParams
-    token_ids: list[int]        # every token so far (prompt + output)
-    num_prompt_tokens: int
-    sample_index: int
-    bitmask: bytes | None = None   # a structured output's allowed tokens (the scheduler's grammar matcher)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator, eos_token_ids: tuple[int, ...] = ()

@@ -1,0 +1,191 @@
+"""`ferry bench cluster`: every routing policy at several Poisson request rates on a simulated cluster of N real
+schedulers (benchmarks/cluster/cluster_sim.py). Reports per policy and rate: output tok/s, TTFT p50/p90/p99, prefix
+hit rate (prefix-cache hit tokens / looked-up prompt tokens, the schedulers' own counters) and load imbalance (the
+busiest scheduler's busy time over the mean). Rates are given per scheduler, so one command compares cluster
+sizes at the same load per scheduler; the report also gives the cluster's rate.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.cluster.cluster_sim import ClusterSim, SimRequest
+from benchmarks.cluster.cost_model import load_profile
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, report
+from benchmarks.common.workloads import BenchRequest
+from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
+
+TTFT_TARGET_S = 2.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    num_schedulers: int
+    policy: str
+    rate_per_scheduler: float
+    profile: str
+    kv_blocks: int = 0
+    seed: int = 0
+    num_routers: int = 1
+    heartbeat_s: float = 1.0             # how often the schedulers publish their load (ttl / 3 in `ferry up`)
+    announce_prompts: bool = False       # the schedulers' --announce-prompts
+
+    @property
+    def rate(self) -> float:
+        return self.rate_per_scheduler * self.num_schedulers
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:
+    """Arrival times of a Poisson process of `rate` requests per second, the first at 0."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def sim_requests(requests: list[BenchRequest], rate: float, seed: int) -> list[SimRequest]:
+    arrivals = poisson_arrivals(len(requests), rate, seed)
+    return [SimRequest(f"r{i}", float(t), list(r.prompt_token_ids), r.max_tokens)
+            for i, (r, t) in enumerate(zip(requests, arrivals))]
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
+
+
+def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dict:
+    done = [r for r in requests if r.finished_s is not None]
+    span = max((r.finished_s for r in done), default=0.0) - min(r.arrival_s for r in requests)
+    counters = [n.scheduler.block_manager.counters for n in sim.nodes.values()]
+    queries, hits = sum(c.queries for c in counters), sum(c.hits for c in counters)
+    busy = [n.busy_s for n in sim.nodes.values()]
+    return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "heartbeat_s": spec.heartbeat_s,
+            "announce_prompts": spec.announce_prompts, "policy": spec.policy, "profile": spec.profile,
+            "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
+            "completed": len(done), "rejected": sum(r.rejected for r in requests),
+            "unfinished": len(requests) - len(done) - sum(r.rejected for r in requests),
+            "output_tokens_per_s": round(sum(r.num_output_tokens for r in done) / span, 1) if span else 0.0,
+            "ttft_s": percentiles([r.first_token_s - r.arrival_s for r in done]),
+            "hit_rate": round(hits / queries, 4) if queries else None,
+            "imbalance": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else None,
+            "simulated_s": round(span, 2)}
+
+
+def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
+    """One policy instance per router replica, each built as `python -m router` builds its own; cache_aware's
+    window of routed work the schedulers' load cannot show yet is one heartbeat, as in the router."""
+    factory = POLICIES[spec.policy]
+    policies = [factory(spec.seed + i) if spec.policy == "random" else factory(i) if spec.policy == "round_robin"
+                else factory() for i in range(spec.num_routers)]   # seeded: the same figures run to run
+    for policy in policies:
+        if isinstance(policy, CacheAwarePolicy):
+            policy.recent_window_s = spec.heartbeat_s
+    return policies
+
+
+def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
+    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks,
+                     spec.heartbeat_s, announce_prompts=spec.announce_prompts)
+    timeline = sim.run(sim_requests(requests, spec.rate, spec.seed))
+    return summarize(spec, sim, timeline)
+
+
+def sweep(specs: list[RunSpec], requests: list[BenchRequest]) -> list[dict]:
+    runs = []
+    for spec in specs:
+        result = run_one(spec, requests)
+        ttft = result["ttft_s"] or {"p90": float("nan")}
+        print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {spec.policy} {spec.rate:g} req/s: "
+              f"{result['output_tokens_per_s']:.1f} out tok/s, TTFT p90 {ttft['p90']:.2f}s, "
+              f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}", file=sys.stderr, flush=True)
+        runs.append(result)
+    return runs
+
+
+def comparison_rate(runs: list[dict], num_schedulers: int) -> float | None:
+    """The lowest rate at which round_robin's p90 TTFT passes the target (2 s)."""
+    rates = sorted(r["request_rate"] for r in runs if r["num_schedulers"] == num_schedulers
+                   and r["policy"] == "round_robin" and r["ttft_s"] and r["ttft_s"]["p90"] > TTFT_TARGET_S)
+    return rates[0] if rates else None
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def claims(runs: list[dict]) -> dict:
+    """The routing targets, per cluster size: at round_robin's 2 s rate, cache_aware vs round_robin;
+    at every rate, cache_aware vs least_loaded."""
+    by_key = {(r["num_schedulers"], r["policy"], r["request_rate"]): r for r in runs}
+    out = {}
+    for n in sorted({r["num_schedulers"] for r in runs}):
+        result: dict = {"rate_where_round_robin_p90_passes_2s": comparison_rate(runs, n)}
+        ca, rr = (by_key.get((n, p, result["rate_where_round_robin_p90_passes_2s"])) for p in ("cache_aware",
+                                                                                               "round_robin"))
+        if ca and rr and ca["ttft_s"] and rr["ttft_s"]:
+            result["tok_s_cache_aware/round_robin"] = ratio(ca["output_tokens_per_s"], rr["output_tokens_per_s"])
+            result["p90_ttft_round_robin/cache_aware"] = ratio(rr["ttft_s"]["p90"], ca["ttft_s"]["p90"])
+        result["vs_least_loaded"] = {
+            str(rate): {"tok_s": ratio(r["output_tokens_per_s"], ll["output_tokens_per_s"]),
+                        "p90_ttft": ratio(r["ttft_s"]["p90"], ll["ttft_s"]["p90"]) if r["ttft_s"] and ll["ttft_s"]
+                        else None}
+            for (size, policy, rate), r in by_key.items() if size == n and policy == "cache_aware"
+            for ll in [by_key.get((n, "least_loaded", rate))] if ll}
+        out[str(n)] = result
+    return out
+
+
+def table(runs: list[dict]) -> str:
+    lines = [f"{'N':>3} {'req/s':>8} {'policy':<13} {'done':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
+             f"{'p99':>8} {'hit rate':>8} {'imbal':>6}"]
+    for r in runs:
+        t = r["ttft_s"] or {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+        hit = f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "-"
+        lines.append(f"{r['num_schedulers']:>3} {r['request_rate']:>8g} {r['policy']:<13} {r['completed']:>6} "
+                     f"{r['output_tokens_per_s']:>10.1f} {t['p50']:>8.2f}s {t['p90']:>7.2f}s {t['p99']:>7.2f}s "
+                     f"{hit:>8} {r['imbalance'] or 0:>6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("cluster", __doc__)
+    add_workload_args(parser)
+    parser.set_defaults(workload="tenants", num_requests=2000)
+    parser.add_argument("--num-schedulers", default="16", help="comma list, e.g. 16,64")
+    parser.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware")
+    parser.add_argument("--rates-per-scheduler", default="0.5,1,2",
+                        help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
+    parser.add_argument("--profile", default="cpu",
+                        help="step cost model: cpu, h100_llama8b (benchmarks/cluster/cost_model.py) or a cost-fit "
+                             "file")
+    parser.add_argument("--kv-blocks", type=int, default=0, help="KV pool per scheduler in blocks of 16 "
+                                                                  "(0: the profile's)")
+    parser.add_argument("--seed", type=int, default=0, help="arrival times (and the random policy)")
+    parser.add_argument("--num-routers", type=int, default=1, help="router replicas, each with its own policy "
+                                                                   "state; arrivals go to them in turn")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="how often the schedulers publish their "
+                                                                       "load (cache_aware's window follows)")
+    parser.add_argument("--announce-prompts", action="store_true",
+                        help="the schedulers publish a prompt's blocks when they admit it, not only once computed")
+    parser.add_argument("--plot-dir", type=Path)
+    args = parser.parse_args(argv)
+    requests = load_requests(args)
+    specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
+                     args.heartbeat_s, args.announce_prompts)
+             for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
+             for policy in args.policies.split(",")]
+    runs = sweep(specs, requests)
+    print(table(runs), file=sys.stderr, flush=True)
+    if args.plot_dir:
+        from benchmarks.common.plots import cluster_sweep
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        sizes = args.num_schedulers.replace(",", "-")
+        cluster_sweep(runs, args.plot_dir / f"cluster_{args.workload}_{Path(args.profile).stem}_n{sizes}.png")
+    report(args, {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
+                  "profile": args.profile, "runs": runs, "claims": claims(runs)})
+    return 0

@@ -1,0 +1,196 @@
+"""A discrete-event simulation of a Ferry cluster: N real schedulers, the real routing policy, no workers.
+
+Each scheduler is the real `scheduler.core.Scheduler` with its real BlockManager and prefix cache; a step's
+duration comes from a cost model (benchmarks/cluster/cost_model.py) instead of a forward pass, and the sampled tokens
+are synthetic (benchmark requests ignore EOS and run to max_tokens, so which tokens come out changes nothing).
+The prefix index is what the schedulers' KV events would publish to Redis, applied as each step ends; the load
+the router sees is each scheduler's registration as of its last heartbeat. Requests are routed on arrival by the
+same policy function `ferry up` runs, and admission control (a full queue: try the next) is the real one. With
+several routers (replicas behind a load balancer) each has its own policy instance and in-flight counts, arrivals
+go to them in turn, and a request's finish is told to the router that routed it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
+from benchmarks.cluster.cost_model import CostProfile, step_work
+from protos import worker_pb2
+from protos.block_hash import hash_blocks
+from protos.registry import SchedulerInfo
+from router.discovery import leading_matches
+from router.policy import RoutingInput, RoutingPolicy, notify_finished
+from scheduler.admission import AdmissionLimits, QueueFull
+from scheduler.core import Scheduler
+
+MODEL = "sim"
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 8192
+VOCAB = 50_000
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+    block_hashes: list[int] = field(default_factory=list)
+    scheduler_id: str = ""
+    router: int = 0                      # which router replica routed it
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    num_output_tokens: int = 0
+    rejected: bool = False
+
+
+@dataclass
+class SimNode:
+    """One scheduler of the cluster, the step it is running, and what its last heartbeat told the router."""
+    scheduler_id: str
+    scheduler: Scheduler
+    info: SchedulerInfo
+    step: worker_pb2.StepRequest | None = None
+    busy_s: float = 0.0
+
+
+@dataclass
+class SimRouter:
+    """One router replica: its own policy instance (its routing history) and the requests it has in flight."""
+    policy: RoutingPolicy
+    pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+@dataclass
+class PrefixIndex:
+    """The Redis prefix index: block hash -> schedulers holding it, fed by KV events."""
+    holders: dict[int, set[str]] = field(default_factory=lambda: defaultdict(set))
+
+    def apply(self, scheduler_id: str, stored: list[int], removed: list[int]) -> None:
+        for block_hash in removed:
+            self.holders[block_hash].discard(scheduler_id)
+        for block_hash in stored:
+            self.holders[block_hash].add(scheduler_id)
+
+    def matches(self, block_hashes: list[int], alive: set[str]) -> dict[str, int]:
+        return leading_matches([self.holders.get(h, set()) for h in block_hashes], alive)
+
+
+def registration(node_id: str, scheduler: Scheduler) -> SchedulerInfo:
+    """What a scheduler's heartbeat writes (scheduler/server.py), from its Stats."""
+    stats = scheduler.stats()
+    return SchedulerInfo(node_id, f"sim:{node_id}", MODEL, MODEL, BLOCK_SIZE, MAX_MODEL_LEN, VOCAB, 0,
+                         stats.num_waiting, stats.num_running, stats.waiting_tokens, stats.running_tokens)
+
+
+def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = False) -> SimNode:
+    config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens,
+                          announce_prompts=announce_prompts)
+    scheduler = Scheduler(config, kv_blocks, BLOCK_SIZE, MAX_MODEL_LEN, [], MODEL)
+    node_id = f"sched-{index:02d}"
+    return SimNode(node_id, scheduler, registration(node_id, scheduler))
+
+
+def synthetic_result(scheduler: Scheduler, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+    """One token for every sequence the step samples for (what the worker returns), drawn from its position."""
+    result = worker_pb2.StepResult()
+    for seq_id in scheduler.sampling_seq_ids(step.step_id):
+        seq = scheduler.sequence(seq_id)
+        result.sampled.add(seq_id=seq_id, token_id=1 + (len(seq.token_ids) * 7919 + seq.arrival) % (VOCAB - 1))
+    return result
+
+
+class ClusterSim:
+    """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
+    a list of them: one per router replica, each given every len(list)-th arrival. `announce_prompts` is the
+    schedulers' --announce-prompts: they publish a prompt's blocks when they admit it, not only once computed."""
+
+    def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
+                 kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
+                 announce_prompts: bool = False):
+        self.profile, self.heartbeat_s, self.limits = profile, heartbeat_s, limits
+        self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
+        self.arrivals = itertools.count()
+        self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks,
+                                                           announce_prompts) for i in range(num_schedulers))}
+        self.index = PrefixIndex()
+        self.requests: dict[str, SimRequest] = {}
+        self.events: list[tuple[float, int, Callable, object]] = []
+        self.order = itertools.count()
+        self.now = 0.0
+        self.outstanding = 0
+
+    def at(self, time_s: float, handler: Callable, arg: object = None) -> None:
+        heapq.heappush(self.events, (time_s, next(self.order), handler, arg))
+
+    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+        for request in requests:
+            request.block_hashes = hash_blocks(request.prompt, BLOCK_SIZE, MODEL)
+            self.requests[request.request_id] = request
+            self.at(request.arrival_s, self.arrive, request)
+        self.outstanding = len(requests)
+        self.at(self.heartbeat_s, self.heartbeat)
+        while self.events and self.outstanding:
+            self.now, _, handler, arg = heapq.heappop(self.events)
+            handler(arg)
+        return requests
+
+    def arrive(self, request: SimRequest) -> None:
+        request.router = next(self.arrivals) % len(self.routers)    # the load balancer in front: round robin
+        router = self.routers[request.router]
+        routing = RoutingInput(request.prompt, request.block_hashes, dict(router.pending),
+                               self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
+                               request_id=request.request_id)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        for info in router.policy([n.info for n in self.nodes.values()], routing):
+            node = self.nodes[info.scheduler_id]
+            try:
+                self.limits.check(node.scheduler, len(request.prompt))
+            except QueueFull:
+                continue
+            node.scheduler.add_request(request.request_id, request.prompt, params)
+            request.scheduler_id = node.scheduler_id
+            router.pending[node.scheduler_id] += 1
+            self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())   # as scheduler/engine_loop
+            if node.step is None:
+                self.start_step(node)
+            return
+        request.rejected = True
+        self.outstanding -= 1
+
+    def start_step(self, node: SimNode) -> None:
+        node.step = node.scheduler.schedule()
+        if node.step is None:
+            return
+        duration = self.profile.step_seconds(step_work(node.step))
+        node.busy_s += duration
+        self.at(self.now + duration, self.step_done, node)
+
+    def step_done(self, node: SimNode) -> None:
+        for output in node.scheduler.update(node.step, synthetic_result(node.scheduler, node.step)):
+            self.on_output(output.request_id, len(output.new_token_ids), output.finish_reason is not None)
+        self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())
+        self.start_step(node)
+
+    def on_output(self, request_id: str, num_tokens: int, finished: bool) -> None:
+        request = self.requests[request_id]
+        if request.first_token_s is None:
+            request.first_token_s = self.now
+        request.num_output_tokens += num_tokens
+        if finished:
+            request.finished_s = self.now
+            router = self.routers[request.router]
+            router.pending[request.scheduler_id] -= 1
+            self.outstanding -= 1
+            notify_finished(router.policy, request_id)
+
+    def heartbeat(self, _: object = None) -> None:
+        for node in self.nodes.values():
+            node.info = registration(node.scheduler_id, node.scheduler)
+        if self.events:   # nothing else scheduled: the run is over (or stuck, which its results will show)
+            self.at(self.now + self.heartbeat_s, self.heartbeat)

@@ -1,0 +1,65 @@
+"""`ferry bench async`: output tok/s of the scheduler service with async scheduling on against off, on the same
+requests, in alternating rounds: `ferry up --num-schedulers 1`, all requests sent at once; the worker's waits between
+steps and its time in steps read from the scheduler's `ferry:worker_idle_seconds` and `ferry:worker_step_seconds`.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
+from benchmarks.common.workloads import BenchRequest
+from benchmarks.services.serve import run_load
+from benchmarks.services.served_stack import ServedStack
+from ferry.launcher import free_port
+
+MODES = {"on": [], "off": ["--no-async-scheduling"]}
+
+
+def counter(metrics_url: str, name: str) -> float:
+    text = httpx.get(metrics_url, timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == f"{name}_total")
+
+
+def served(requests: list[BenchRequest], engine_flags: list[str]) -> dict:
+    metrics_port = free_port()
+    with ServedStack(["--num-schedulers", "1", "--metrics-port", str(metrics_port), *engine_flags]) as stack:
+        stack.wait_ready(1)
+        result = asyncio.run(run_load(requests, stack.router, float("inf"), len(requests)))
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        idle, busy = (counter(metrics_url, f"ferry:worker_{name}_seconds") for name in ("idle", "step"))
+    return {"output_tokens_per_s": round(result["output_tokens_per_s"], 1),
+            "duration_s": round(result["duration_s"], 2), "worker_idle_s": round(idle, 3),
+            "worker_busy_s": round(busy, 3)}
+
+
+def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
+    engine_flags = ["--model", model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+                    "--kv-cache-memory", str(args.kv_cache_memory)]
+    rounds = []
+    for i in range(args.rounds):
+        for mode, flags in MODES.items():
+            entry = {"round": i, "mode": mode, **served(requests, engine_flags + flags)}
+            print(f"[bench] round {i} async {mode}: {entry}", file=sys.stderr, flush=True)
+            rounds.append(entry)
+    total = lambda mode, key: sum(r[key] for r in rounds if r["mode"] == mode)  # noqa: E731
+    return {"workload": args.workload, "num_requests": len(requests), "rounds": rounds,
+            "tok_s_on_over_off": round(total("on", "output_tokens_per_s") / total("off", "output_tokens_per_s"), 3),
+            "worker_idle_share": {mode: round(total(mode, "worker_idle_s") / total(mode, "duration_s"), 4)
+                                  for mode in MODES}}
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("async", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    directory = model_dir(args)
+    report(args, run(args, load_requests(args, directory), directory))
+    return 0

@@ -1,0 +1,157 @@
+"""`ferry bench serve`: online load against a running router (gRPC or the OpenAI HTTP API): requests sent at
+Poisson arrivals (or all at once), every token streamed back and timed on arrival; reports output tok/s, requests
+completed and failed, and TTFT, TPOT and end-to-end latency percentiles per request rate."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, model_dir, report
+from benchmarks.common.workloads import BenchRequest
+from protos import common_pb2, router_pb2, router_pb2_grpc
+
+
+@dataclass
+class RequestTiming:
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1] - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+async def grpc_request(stub, request: BenchRequest, timing: RequestTiming) -> None:
+    message = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=request.prompt_token_ids),
+        sampling=common_pb2.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True))
+    async for response in stub.Generate(message):
+        if response.token_ids:
+            timing.token_times.append(time.perf_counter())
+            timing.output_tokens += len(response.token_ids)
+
+
+async def http_request(client, request: BenchRequest, timing: RequestTiming) -> None:
+    body = {"model": "", "prompt": request.prompt_token_ids, "max_tokens": request.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    timing.token_times.append(time.perf_counter())
+                    timing.output_tokens += 1
+
+
+async def run_load(requests: list[BenchRequest], target: str, request_rate: float, max_concurrency: int,
+                   backend: str = "grpc", seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency)
+    timings: list[RequestTiming] = []
+    in_flight = peak = 0
+    channel = grpc.aio.insecure_channel(target) if backend == "grpc" else None
+    client = None
+    if backend == "openai":
+        import httpx
+        client = httpx.AsyncClient(base_url=target if target.startswith("http") else f"http://{target}", timeout=None)
+    stub = router_pb2_grpc.RouterStub(channel) if channel else None
+
+    async def one(request: BenchRequest) -> None:
+        nonlocal in_flight, peak
+        async with limit:
+            timing = RequestTiming(time.perf_counter())
+            timings.append(timing)
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                if stub:
+                    await grpc_request(stub, request, timing)
+                else:
+                    await http_request(client, request, timing)
+            except Exception as error:  # noqa: BLE001 - a failed request is a result here
+                timing.error = f"{type(error).__name__}: {error}"
+            finally:
+                in_flight -= 1
+
+    started = time.perf_counter()
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(one(request)))
+        if request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    await asyncio.gather(*tasks)
+    duration = time.perf_counter() - started
+    if channel:
+        await channel.close()
+    if client:
+        await client.aclose()
+    return summarize(timings, duration, peak)
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarize(timings: list[RequestTiming], duration: float, peak: int) -> dict:
+    done = [t for t in timings if t.error is None and t.token_times]
+    itl = [b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]
+    output_tokens = sum(t.output_tokens for t in done)
+    return {
+        "duration_s": duration, "completed": len(done), "failed": len(timings) - len(done),
+        "errors": sorted({t.error for t in timings if t.error})[:5],
+        "request_throughput": len(done) / duration, "output_tokens_per_s": output_tokens / duration,
+        "peak_concurrency": peak, "ttft_s": percentiles([t.ttft for t in done]),
+        "tpot_s": percentiles([t.tpot for t in done if t.tpot is not None]), "itl_s": percentiles(itl),
+        "e2e_s": percentiles([t.e2e for t in done]), "ttft_samples_s": [round(t.ttft, 4) for t in done],
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = bench_parser("serve", __doc__)
+    add_workload_args(parser)
+    parser.add_argument("--target", default="127.0.0.1:50051", help="router gRPC address, or HTTP base URL")
+    parser.add_argument("--backend", choices=("grpc", "openai"), default="grpc")
+    parser.add_argument("--request-rate", default="inf", help="req/s, comma list for a sweep; inf = all at once")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=256)
+    parser.add_argument("--plot-dir", type=Path)
+    args = parser.parse_args(argv)
+    requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
+    requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
+    rates = [float(r) for r in args.request_rate.split(",")]
+    runs = []
+    for rate in rates:
+        result = asyncio.run(run_load(requests, args.target, rate, args.max_concurrency, args.backend))
+        print(f"[bench] rate {rate}: {result['output_tokens_per_s']:.1f} output tok/s, "
+              f"{result['failed']} failed", file=sys.stderr)
+        runs.append((rate, result))
+    if args.plot_dir:
+        from benchmarks.common.plots import throughput_vs_rate, ttft_distribution
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        throughput_vs_rate(runs, args.plot_dir / "throughput_vs_rate.png")
+        for rate, result in runs:
+            ttft_distribution(result["ttft_samples_s"], args.plot_dir / f"ttft_rate_{rate:g}.png")
+    report(args, {"backend": args.backend, "runs": [{"request_rate": str(r), **res} for r, res in runs]})
+    return 0
