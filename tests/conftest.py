@@ -119,3 +119,21 @@ def tokenizer_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tiny_tokenizer(path)
     return str(path)
+
+
+# --- rooms -------------------------------------------------------------------------------------------------
+ROOMS = ("services", "deploy", "chaos", "benchmarks")   # tests/<room>/: their tests start processes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test in tests/<room>/ is marked with its room; the others (tests/unit/, tests/test_layering.py) that are not
+    slow are `quick`: `pytest -m quick` is the layer that runs in one process in a few minutes."""
+    here = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(here):
+            continue
+        room = item.path.relative_to(here).parts[0]
+        if room in ROOMS:
+            item.add_marker(room)
+        elif item.get_closest_marker("slow") is None:
+            item.add_marker("quick")
