@@ -122,7 +122,14 @@ def tokenizer_dir(tmp_path_factory) -> str:
 
 
 # --- rooms -------------------------------------------------------------------------------------------------
-ROOMS = ("services", "deploy", "chaos", "benchmarks")   # tests/<room>/: their tests start processes
+ROOMS = ("engine", "services", "deploy", "chaos", "benchmarks")   # tests/<room>/: beyond one package
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m quick` the rooms are not collected at all: none of their tests is quick, and importing their modules
+    would take half the quick layer's collection."""
+    in_a_room = collection_path.parent == Path(__file__).parent and collection_path.name in ROOMS
+    return True if in_a_room and config.getoption("markexpr") == "quick" else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
