@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh OUT_DIR [--budget-s SECONDS] [--smoke]
 # Installs the wheels in .whl/ if any (scripts/gpu_wheels.sh made them; FERRY_GPU_WHEELS names another folder),
 # generates the gRPC stubs, then runs benchmarks/gpu/check.py, which writes OUT_DIR/summary.json and the steps'
-# logs as OUT_DIR/logs.tgz. --smoke: the same steps at tiny shapes on the CPU (tests/test_gpu_check.py).
+# logs as OUT_DIR/logs.tgz. --smoke: the same steps at tiny shapes on the CPU (tests/deploy/test_gpu_check.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR [--budget-s SECONDS]}

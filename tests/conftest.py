@@ -119,3 +119,28 @@ def tokenizer_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tokenizer")
     build_tiny_tokenizer(path)
     return str(path)
+
+
+# --- rooms -------------------------------------------------------------------------------------------------
+ROOMS = ("engine", "services", "deploy", "chaos", "benchmarks")   # tests/<room>/: beyond one package
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m quick` the rooms are not collected at all: none of their tests is quick, and importing their modules
+    would take half the quick layer's collection."""
+    in_a_room = collection_path.parent == Path(__file__).parent and collection_path.name in ROOMS
+    return True if in_a_room and config.getoption("markexpr") == "quick" else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test in tests/<room>/ is marked with its room; the others (tests/unit/, tests/test_layering.py) that are not
+    slow are `quick`: `pytest -m quick` is the layer that runs in one process in a few minutes."""
+    here = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(here):
+            continue
+        room = item.path.relative_to(here).parts[0]
+        if room in ROOMS:
+            item.add_marker(room)
+        elif item.get_closest_marker("slow") is None:
+            item.add_marker("quick")

@@ -3,6 +3,10 @@ sits on protos and base only; the apps on top: ferry on all of those, benchmarks
 benchmarks: `ferry bench` runs them as `python -m benchmarks`). No module imports one that imports it back, directly
 or round a longer circle. And router never loads torch, transformers or triton, not even through a module it
 imports. Every import counts: module level, inside functions, TYPE_CHECKING.
+
+The tests follow the house: every test file is in a room, tests/unit/<package>/ or one of conftest's ROOMS; a unit
+test of a package imports that package, those below it and the harness (the fixtures in tests/, and the apps, which
+build models and drive a whole engine), and never starts a process.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ ALLOWED = {**{package: set(CORE[:i + 1]) for i, package in enumerate(CORE)},
            "router": {"protos", "base", "router"},
            **{app: set(CORE) | {"router"} | set(APPS[:i + 1]) for i, app in enumerate(APPS)}}
 HEAVY = {"torch", "transformers", "triton"}
+TESTS = ROOT / "tests"
+HARNESS = {"tests", *APPS}
+STARTS_PROCESSES = ["subprocess", "multiprocessing", "tests.services_fixtures", "tests.openai_fixtures"]
 
 
 def imported_modules(source: str, module: str) -> list[str]:
@@ -117,6 +124,30 @@ def third_party_reached(root: Path, packages: list[str], start: str) -> set[str]
     return reached
 
 
+def unit_test_violations(tests: Path, allowed: dict[str, set[str]]) -> list[str]:
+    """'path imports name' for every import a test in tests/unit/<package>/ may not make: a package above its own
+    (other than the harness), or what starts a process; 'path is in no package's room' for one outside them."""
+    violations = []
+    for path in sorted((tests / "unit").rglob("test_*.py")):
+        where = path.relative_to(tests)
+        room = where.parts[1]
+        if room not in allowed:
+            violations.append(f"{where} is in no package's room")
+            continue
+        for name in imported_modules(path.read_text(), ".".join(("tests", *where.with_suffix("").parts))):
+            starts = any(name == p or name.startswith(f"{p}.") for p in STARTS_PROCESSES)
+            target = name.split(".")[0]
+            if starts or (target in allowed and target not in allowed[room] | HARNESS):
+                violations.append(f"{where} imports {name}")
+    return sorted(set(violations))
+
+
+def misplaced_tests(tests: Path, rooms: tuple[str, ...]) -> list[str]:
+    """Test files outside tests/unit/ and the rooms (test_layering.py checks the whole house: it stays at tests/)."""
+    return sorted(str(path.relative_to(tests)) for path in tests.rglob("test_*.py")
+                  if path.relative_to(tests).parts[0] not in ("unit", *rooms) and path.name != "test_layering.py")
+
+
 def test_no_package_imports_one_above_it():
     assert layering_violations(ROOT, ALLOWED) == []
 
@@ -167,3 +198,23 @@ def test_the_circle_check_finds_a_circle_through_a_type_only_import_and_not_thro
     assert import_circles(tmp_path, ["ferry", "benchmarks"]) == [["benchmarks.cli", "ferry.cli"]]
     allowed = {package: ALLOWED[package] for package in ("base", "ferry", "benchmarks")}
     assert layering_violations(tmp_path, allowed) == ["ferry.cli imports benchmarks.cli"]
+
+
+def test_every_test_is_in_a_room_and_unit_tests_import_down_in_one_process():
+    from tests.conftest import ROOMS
+    assert misplaced_tests(TESTS, ROOMS) == []
+    assert unit_test_violations(TESTS, ALLOWED) == []
+
+
+def test_the_checks_catch_a_unit_test_that_imports_up_or_starts_a_process(tmp_path):
+    write(tmp_path, {"unit/router/test_up.py": "from router import core\nfrom scheduler.core import Scheduler\n",
+                     "unit/kernels/test_probe.py": "def test_probe():\n    import subprocess\n",
+                     "unit/scheduler/test_served.py": "from tests.services_fixtures import wait_until\n",
+                     "unit/scheduler/test_engine.py": "from ferry import Engine\nfrom tests.engine_fixtures import e\n",
+                     "unit/httpd/test_misfiled.py": "", "test_loose.py": "", "services/test_stack.py": ""})
+    assert unit_test_violations(tmp_path, ALLOWED) == [
+        "unit/httpd/test_misfiled.py is in no package's room", "unit/kernels/test_probe.py imports subprocess",
+        "unit/router/test_up.py imports scheduler.core", "unit/router/test_up.py imports scheduler.core.Scheduler",
+        "unit/scheduler/test_served.py imports tests.services_fixtures",
+        "unit/scheduler/test_served.py imports tests.services_fixtures.wait_until"]
+    assert misplaced_tests(tmp_path, ("services",)) == ["test_loose.py"]

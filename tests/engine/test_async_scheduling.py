@@ -14,7 +14,7 @@ from base.sampling_params import SamplingParams
 from base.structured_output import StructuredOutput
 from scheduler.core import RequestOutput, Scheduler
 from tests.engine_fixtures import random_prompts, tiny_engine
-from tests.test_scheduler import EOS, FakeWorker, make_scheduler, params
+from tests.unit.scheduler.test_scheduler import EOS, FakeWorker, make_scheduler, params
 
 
 def run_pipelined(scheduler: Scheduler, worker, depth: int, abort: dict[int, str] | None = None

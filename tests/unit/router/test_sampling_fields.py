@@ -16,7 +16,7 @@ from base.structured_output import StructuredOutput
 from protos import common_pb2
 from router.http.schema import OWN_FIELDS, PLAIN_FIELDS, ChatCompletionRequest, CompletionRequest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 SERVING = ["base", "protos", "router", "scheduler", "gpu_worker"]   # not its users (ferry's CLI, benchmarks, tests)
 DECLARED = {"base/sampling_params.py", "protos/common.proto"}
 # Each field with a name no other code uses, and the files that honour it (what adding one such field touches)

@@ -29,7 +29,7 @@ HOLD_THE_LOCK = textwrap.dedent("""
 
 def start_holder(directory: Path) -> subprocess.Popen:
     holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(directory)], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).parents[1])
+                              cwd=Path(__file__).parents[2])
     assert holder.stdout.readline().strip() == "holding"
     return holder
 

@@ -14,7 +14,7 @@ from torch import nn
 from gpu_worker.cpu import quantized_linears
 from gpu_worker.loading.model_files import gguf_blocks_dir
 from kernels import cpu_quant
-from tests.test_cpu_quant import random_blocks
+from tests.unit.gpu_worker.test_cpu_quant import random_blocks
 
 pytestmark = pytest.mark.skipif(cpu_quant.extension() is None, reason="no C++ compiler for the CPU kernels")
 SHAPES = {"Q4_1": (32, 64), "Q8_0": (64, 32)}   # [out, in]: the first two linears of tiny_model

@@ -7,7 +7,7 @@ import pytest
 from base.sampling_params import SamplingParams
 from base.structured_output import StructuredOutput
 from scheduler.bad_words import BadWords, bad_word_token_ids
-from tests.test_engine import tiny_engine
+from tests.engine.test_engine import tiny_engine
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 

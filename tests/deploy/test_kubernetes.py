@@ -25,7 +25,7 @@ from ferry.launcher import free_port
 from scheduler.__main__ import check_exposure
 from tests.services_fixtures import redis_answers, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSIONS = ("1.27", "1.37")   # 1.27: gRPC probes are GA; 1.37: the newest schemas kubernetes-validate ships
 FERRY_PACKAGES = ("ferry", "router", "scheduler", "gpu_worker", "kernels", "protos")

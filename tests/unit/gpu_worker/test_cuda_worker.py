@@ -1,7 +1,7 @@
 """The worker on a GPU: decode steps from CUDA graphs against eager ones, loading's device memory, and a model too
 large for its memory budget refused with the numbers. Skipped without CUDA (scripts/gpu_check.sh runs it);
-tests/test_decode_graphs.py and tests/test_loading.py cover the same code on the CPU, tests/test_sampler.py the
-sampler on the GPU too."""
+tests/engine/test_decode_graphs.py and tests/deploy/test_loading.py cover the same code on the CPU, test_sampler.py
+the sampler on the GPU too."""
 from __future__ import annotations
 
 import os

@@ -9,7 +9,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = {"environment", "cuda_tests", "exactness", "serve", "throughput", "roofline", "kernel_bench",
          "seeds_claims"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = [(), ("docker-compose.monitoring.yml",), ("docker-compose.gpu.yml",),
              ("docker-compose.gpu.yml", "docker-compose.monitoring.yml")]
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None,

@@ -21,7 +21,7 @@ from protos import router_pb2, router_pb2_grpc
 from tests.conftest import build_tiny_tokenizer
 from tests.services_fixtures import (API_KEY, CHILD_ENV, HttpStack, free_port, greedy, start_services,
                                      wait_for_health, wait_until)
-from tests.test_tool_parsers import HERMES_TEMPLATE
+from tests.unit.router.test_tool_parsers import HERMES_TEMPLATE
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},

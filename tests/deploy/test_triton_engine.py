@@ -83,7 +83,7 @@ def test_local_and_global_layers_on_the_triton_backend_generate_the_tokens_of_tr
     """Gemma 3 (sliding-window layers between global ones), every layer on the interpreted Triton kernels."""
     from ferry import Engine, EngineConfig
     from tests.conftest import transformers_greedy
-    from tests.test_model_families import GREEDY, MAX_TOKENS, build_tiny_model
+    from tests.engine.test_model_families import GREEDY, MAX_TOKENS, build_tiny_model
     model_dir, model = build_tiny_model(tmp_path, "gemma3_text")
     prompts = [[17, 230, 41, 99, 5, 311, 64, 150, 7, 8, 9], [3, 4, 5]]
     config = EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4,

@@ -58,7 +58,7 @@ def compile_for_hopper() -> dict[str, int]:
 def test_every_kernel_compiles_for_hopper_without_a_gpu(tmp_path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled afresh, not read from an earlier run's cache
-    code = "from tests.test_triton_compile import compile_for_hopper; print(compile_for_hopper())"
+    code = "from tests.deploy.test_triton_compile import compile_for_hopper; print(compile_for_hopper())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     sizes = ast.literal_eval(result.stdout.strip().splitlines()[-1])

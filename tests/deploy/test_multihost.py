@@ -29,7 +29,7 @@ from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grp
 from protos.registry import SchedulerInfo, scheduler_key, verified_registration
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, served_alone, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_TTL_S = 2.0
 REDIS_HOST, ROUTER_HOST = "127.0.0.1", "127.0.0.4"
 MAX_TOKENS = 8

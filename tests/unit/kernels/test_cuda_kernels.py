@@ -1,7 +1,7 @@
 """The Triton kernels compiled for a GPU, at real models' shapes, against the torch reference on the same GPU.
 
 Runs only where CUDA is available and the kernels are compiled (TRITON_INTERPRET unset or 0, as
-scripts/gpu_check.sh runs this file); everywhere else it is skipped. tests/test_kernels.py checks the same
+scripts/gpu_check.sh runs this file); everywhere else it is skipped. test_kernels.py beside it checks the same
 kernels in the interpreter, on the CPU, at small shapes.
 """
 from __future__ import annotations
