@@ -63,15 +63,16 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         address = advertised_address(options, port)
         reporting = await Reporting.start(loop.telemetry.metrics, loop.load, options.host, options.metrics_port,
                                           options.log_stats_interval)
-        identity = SchedulerInfo(scheduler_id, address, info.model_name, info.model_path, info.block_size,
-                                 info.max_model_len, info.vocab_size, config.hash_seed)
+        model = info.model
+        identity = SchedulerInfo(scheduler_id, address, model.model_name, model.model_path, model.block_size,
+                                 model.max_model_len, model.vocab_size, config.hash_seed)
         watch = StallWatch(loop.stalled_seconds, health_servicer, config.stall_timeout)
         registry = start_registry(loop, options, identity, serving_fn=lambda: not watch.stalled)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         readiness = asyncio.create_task(report_ready(health_servicer, registry))
         watching = asyncio.create_task(watch.run())
-        print(f"scheduler {scheduler_id} serving {info.model_name} on {address} "
-              f"({info.num_blocks} blocks of {info.block_size})", flush=True)
+        print(f"scheduler {scheduler_id} serving {model.model_name} on {address} "
+              f"({model.num_blocks} blocks of {model.block_size})", flush=True)
         await run_until_signalled(loop, server, health_servicer, registry, options.drain_timeout)
         return 1 if loop.failure else 0
     finally:
