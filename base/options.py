@@ -84,7 +84,10 @@ def flag_name(option_field: Field) -> str:
 
 
 def dest(option_field: Field) -> str:
-    """Where argparse keeps the flag's value, named after the flag (--tls-ca: tls_ca)."""
+    """Where argparse keeps the flag's value: a switch's under the field's name, any other's under the flag's
+    (--max-tokens-per-minute-per-key: max_tokens_per_minute_per_key)."""
+    if "switch_on" in option_field.metadata or "switch_off" in option_field.metadata:
+        return option_field.name
     return flag_name(option_field).removeprefix("--").replace("-", "_")
 
 
@@ -102,10 +105,10 @@ def add_argument(parser: argparse.ArgumentParser, option_field: Field) -> None:
     if isinstance(default, bool) and not ("switch_on" in meta or "switch_off" in meta):
         raise TypeError(f"option {option_field.name}: a bool needs a switch_on or a switch_off flag")
     if "switch_off" in meta:
-        parser.add_argument(meta["switch_off"], dest=option_field.name, action="store_false",
+        parser.add_argument(meta["switch_off"], dest=dest(option_field), action="store_false",
                             help=f"{text} (default: {switched(option_field)} on)")
     elif "switch_on" in meta:
-        parser.add_argument(meta["switch_on"], dest=option_field.name, action="store_true",
+        parser.add_argument(meta["switch_on"], dest=dest(option_field), action="store_true",
                             help=f"{text} (default: {switched(option_field)} off)")
     elif meta.get("repeat"):
         parser.add_argument(flag_name(option_field), dest=dest(option_field), action="append", default=[],
@@ -134,27 +137,22 @@ def from_args(options_type: type, args: argparse.Namespace, skip: set[str] = fro
             continue
         if option_field.metadata.get("nested"):
             values[option_field.name] = from_args(type(default_of(option_field)), args, skip)
-        elif hasattr(args, dest_of(option_field)):
-            values[option_field.name] = getattr(args, dest_of(option_field))
+        elif hasattr(args, dest(option_field)):
+            values[option_field.name] = getattr(args, dest(option_field))
     return options_type(**values, **given)
 
 
-def dest_of(option_field: Field) -> str:
-    switch = "switch_on" in option_field.metadata or "switch_off" in option_field.metadata
-    return option_field.name if switch else dest(option_field)
-
-
-def to_argv(options: Any, skip: set[str] = frozenset()) -> list[str]:
+def to_argv(options: Any) -> list[str]:
     """The flags that give another process these options (what add_arguments parses back into them): one for each
     field not at its default, the default being the same on both sides. A field a variable gives the default of
     is thus left, at its default, to the variable (which the process inherits)."""
     argv = []
     for option_field in fields(options):
         value, meta = getattr(options, option_field.name), option_field.metadata
-        if option_field.name in skip or meta.get("no_flag"):
+        if meta.get("no_flag"):
             continue
         if meta.get("nested"):
-            argv += to_argv(value, skip)
+            argv += to_argv(value)
         elif value == default_of(option_field):
             continue
         elif "switch_off" in meta or "switch_on" in meta:
@@ -167,6 +165,7 @@ def to_argv(options: Any, skip: set[str] = frozenset()) -> list[str]:
 
 
 def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
+    """--log-level, for the processes (the services' and the worker's), not an option of what they serve."""
     parser.add_argument("--log-level", default=environment.FERRY_LOG_LEVEL,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="what the process logs (default: $FERRY_LOG_LEVEL, else INFO)")
