@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from base import environment
 
 log = logging.getLogger(__name__)
 TOKEN_METADATA_KEY = "x-ferry-cluster-token"
@@ -21,11 +22,11 @@ SCHEDULER_METHODS = "/ferry.Scheduler/"   # what the token guards; health checki
 
 
 def add_secret_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster-token", default=os.environ.get("FERRY_CLUSTER_TOKEN", ""),
+    parser.add_argument("--cluster-token", default=environment.FERRY_CLUSTER_TOKEN,
                         help="secret routers present to schedulers on every call (default: $FERRY_CLUSTER_TOKEN; "
                              "empty: schedulers accept any caller)")
     parser.add_argument("--cluster-token-file", default="", help="read the cluster token from this file")
-    parser.add_argument("--redis-password", default=os.environ.get("FERRY_REDIS_PASSWORD", ""),
+    parser.add_argument("--redis-password", default=environment.FERRY_REDIS_PASSWORD,
                         help="password of --redis-url (default: $FERRY_REDIS_PASSWORD; a password in the URL wins)")
     parser.add_argument("--redis-password-file", default="", help="read the Redis password from this file")
 

@@ -1,16 +1,16 @@
 """Engine configuration: one dataclass with defaults; each component reads the fields it knows.
 
-The dataclass is the one source: the command-line flags (add_engine_arguments), the config they parse into
-(engine_config), the flags that hand a config to another process (engine_flags) and the worker's wire
-InitRequest (init_request) are all generated from its fields. A field's metadata holds what a flag adds:
-its help text, its choices, or the flag that turns a default-on switch off (a default-off one on). A field marked
-in_process has no flag: only code that builds an EngineConfig itself sets it (the benchmarks' baselines).
+The dataclass is the one source (base/options.py): the command-line flags, the config they parse into, the flags
+that hand a config to another process, and the worker's wire InitRequest (init_request) are all generated from its
+fields. A field's metadata holds what a flag adds: its help text, its choices, or the flag that turns a default-on
+switch off (a default-off one on). A field marked in_process has no flag: only code that builds an EngineConfig
+itself sets it (the benchmarks' baselines).
 """
 from __future__ import annotations
 
-import argparse
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import dataclass
 
+from base.options import option
 from protos import worker_pb2
 
 GiB = 1 << 30
@@ -18,52 +18,57 @@ DRAIN_TIMEOUT_S = 30.0   # on SIGTERM, how long the router and the schedulers le
 BATCHING_MODES = ("continuous", "static")
 KV_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class EngineConfig:
-    # local HF directory; "" = the default model (SmolLM2-135M-Instruct)
-    model: str = field(default="", metadata={"help": "local HF directory; empty: the default model"})
-    dtype: str = "auto"                   # float32 | bfloat16 | float16 | auto (gpu_worker.worker.resolve_dtype)
-    device: str = "auto"                  # cpu | cuda | auto
-    block_size: int = 16
-    # bytes for the KV pool; 0 = 1 GiB on CPU, what --gpu-memory-utilization leaves on CUDA
-    kv_cache_memory: int = field(default=0, metadata={
-        "help": "bytes for the KV cache; 0: 1 GiB on a CPU, what --gpu-memory-utilization leaves on a GPU"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "on a GPU, the fraction of its total memory this worker may use: weights, activations and KV cache"})
-    async_scheduling: bool = field(default=True, metadata={
-        "switch_off": "--no-async-scheduling",
-        "help": "the scheduler service schedules each step while its worker runs the previous one (the default); "
-                "off: one step at a time. The in-process Engine always runs one at a time"})
-    enforce_eager: bool = field(default=False, metadata={
-        "switch_on": "--enforce-eager", "help": "on a GPU, run every step eagerly (no CUDA graphs)"})
-    max_model_len: int = 0                # 0 = min(model's max_position_embeddings, 8192)
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = field(default=True, metadata={"switch_off": "--no-prefix-caching"})
-    announce_prompts: bool = field(default=False, metadata={
-        "switch_on": "--announce-prompts",
-        "help": "publish a prompt's blocks to the prefix index when admitted, not once computed (many routers)"})
-    # static | contiguous: the benchmark baselines (scheduler/baselines.py), set on the in-process Engine only
-    batching: str = field(default="continuous", metadata={"choices": BATCHING_MODES, "in_process": True})
-    kv_layout: str = field(default="paged", metadata={"choices": KV_LAYOUTS, "in_process": True})
-    attention_backend: str = "auto"       # auto | torch | triton
-    seed: int = 0
-    hash_seed: int = 0                    # seed of the prefix block hash chain
-    step_timeout: float = field(default=300.0, metadata={
-        "help": "seconds one worker step may take: past it the scheduler replaces its worker (a hung device) and "
-                "the router resumes its requests elsewhere"})
-    stall_timeout: float = field(default=30.0, metadata={
-        "help": "seconds the scheduler may wait on its worker (a step, a restart) before it reports NOT_SERVING "
-                "and leaves the registry, until it makes progress again"})
-    structured_output_compile_timeout: float = field(default=10.0, metadata={
-        "help": "seconds a request may wait for its grammar (JSON schema, regex, ...) to compile, counted from when "
-                "xgrammar is loaded, and the longest its grammar may take to find the tokens allowed after one; past "
-                "it the request fails with INVALID_ARGUMENT (HTTP 400)"})
-    structured_output_compile_workers: int = field(default=2, metadata={
-        "help": "grammars compiled at once, those past the timeout included (a compile cannot be stopped): at most "
-                "this many cores compile"})
+    model: str = option("", "local HF directory or .gguf file; empty: the default model (SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", "the dtype weights and activations are computed in; auto: bfloat16 on a GPU and on "
+                                "CPUs that multiply it natively, else float32", choices=DTYPES)
+    device: str = option("auto", "where the worker runs; auto: a GPU where there is one", choices=DEVICES)
+    block_size: int = option(16, "tokens per KV cache block (a power of two)")
+    kv_cache_memory: int = option(0, "bytes for the KV cache; 0: 1 GiB on a CPU, what --gpu-memory-utilization "
+                                     "leaves on a GPU")
+    gpu_memory_utilization: float = option(0.9, "on a GPU, the fraction of its total memory this worker may use: "
+                                                "weights, activations and KV cache")
+    async_scheduling: bool = option(True, "the scheduler service schedules each step while its worker runs the "
+                                          "previous one; off: one step at a time. The in-process Engine always "
+                                          "runs one at a time", switch_off="--no-async-scheduling")
+    enforce_eager: bool = option(False, "on a GPU, run every step eagerly (no CUDA graphs)",
+                                 switch_on="--enforce-eager")
+    max_model_len: int = option(0, "longest sequence, prompt and output, in tokens; 0: the model's "
+                                   "max_position_embeddings, at most 8192")
+    max_num_seqs: int = option(128, "sequences in the running batch at most")
+    max_num_batched_tokens: int = option(2048, "tokens one step computes at most (its prefill chunks and decodes)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a prompt's cached prefix",
+                                         switch_off="--no-prefix-caching")
+    announce_prompts: bool = option(False, "publish a prompt's blocks to the prefix index when admitted, not once "
+                                           "computed (many routers)", switch_on="--announce-prompts")
+    batching: str = option("continuous", "continuous, or static: the benchmark baseline that admits a new batch "
+                                         "only when the last has finished (scheduler/baselines.py)",
+                           choices=BATCHING_MODES, in_process=True)
+    kv_layout: str = option("paged", "paged, or contiguous: the benchmark baseline that reserves --max-model-len "
+                                     "for every sequence (scheduler/baselines.py)", choices=KV_LAYOUTS,
+                            in_process=True)
+    attention_backend: str = option("auto", "the attention kernels; auto: triton on a GPU, torch on a CPU",
+                                    choices=ATTENTION_BACKENDS)
+    seed: int = option(0, "seed of the worker's sampling, for requests without a seed of their own")
+    hash_seed: int = option(0, "seed of the prefix block hash chain (schedulers and routers of one cluster share "
+                               "it)")
+    step_timeout: float = option(300.0, "seconds one worker step may take: past it the scheduler replaces its "
+                                        "worker (a hung device) and the router resumes its requests elsewhere")
+    stall_timeout: float = option(30.0, "seconds the scheduler may wait on its worker (a step, a restart) before "
+                                        "it reports NOT_SERVING and leaves the registry, until it makes progress "
+                                        "again")
+    structured_output_compile_timeout: float = option(
+        10.0, "seconds a request may wait for its grammar (JSON schema, regex, ...) to compile, counted from when "
+              "xgrammar is loaded, and the longest its grammar may take to find the tokens allowed after one; past it "
+              "the request fails with INVALID_ARGUMENT (HTTP 400)")
+    structured_output_compile_workers: int = option(
+        2, "grammars compiled at once, those past the timeout included (a compile cannot be stopped): at most this "
+           "many cores compile")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -85,54 +90,6 @@ class EngineConfig:
                              "at least 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-
-
-def flag_name(config_field: Field) -> str:
-    return "--" + config_field.name.replace("_", "-")
-
-
-def flag_fields() -> list[Field]:
-    """The EngineConfig fields a command line sets: all but the in_process ones."""
-    return [config_field for config_field in fields(EngineConfig) if not config_field.metadata.get("in_process")]
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field: --field-name VALUE, or the switch_off / switch_on flag of a bool."""
-    for config_field in flag_fields():
-        help_text = config_field.metadata.get("help")
-        if "switch_off" in config_field.metadata:
-            parser.add_argument(config_field.metadata["switch_off"], dest=config_field.name, action="store_false",
-                                help=help_text)
-        elif "switch_on" in config_field.metadata:
-            parser.add_argument(config_field.metadata["switch_on"], dest=config_field.name, action="store_true",
-                                help=help_text)
-        else:
-            parser.add_argument(flag_name(config_field), type=type(config_field.default),
-                                default=config_field.default, choices=config_field.metadata.get("choices"),
-                                help=help_text)
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = [config_field.name for config_field in flag_fields()]
-    return EngineConfig(**{name: getattr(args, name) for name in names})
-
-
-def engine_flags(config: EngineConfig) -> list[str]:
-    """The flags that give another process this config (what add_engine_arguments parses back into it); an
-    in_process field has none, so it must be at its default."""
-    for config_field in fields(config):
-        if config_field.metadata.get("in_process") and getattr(config, config_field.name) != config_field.default:
-            raise ValueError(f"{config_field.name} is set in-process only (a benchmark baseline), not by a flag")
-    flags = []
-    for config_field in flag_fields():
-        value = getattr(config, config_field.name)
-        if "switch_off" in config_field.metadata:
-            flags += [] if value else [config_field.metadata["switch_off"]]
-        elif "switch_on" in config_field.metadata:
-            flags += [config_field.metadata["switch_on"]] if value else []
-        else:
-            flags += [flag_name(config_field), str(value)]
-    return flags
 
 
 def init_request(config: EngineConfig) -> worker_pb2.InitRequest:

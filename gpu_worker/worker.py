@@ -132,11 +132,11 @@ class Worker:
         info = device_info(device, dtype)
         log.info("worker ready: %s on %s, %d KV blocks of %d tokens", model_dir.name,
                  " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)
-        return worker_pb2.InitResponse(
-            num_blocks=pool.num_blocks, block_size=block_size, max_model_len=max_model_len,
-            vocab_size=shape.vocab_size, eos_token_ids=eos,
-            model_name=model_dir.name, model_path=str(model_dir.resolve()), device_info=info,
-            sliding_window=freeable_window(shape))
+        model_info = worker_pb2.ModelInfo(num_blocks=pool.num_blocks, block_size=block_size,
+                                          max_model_len=max_model_len, vocab_size=shape.vocab_size,
+                                          eos_token_ids=eos, model_name=model_dir.name,
+                                          model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape))
+        return worker_pb2.InitResponse(model=model_info, device_info=info)
 
     @staticmethod
     def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,

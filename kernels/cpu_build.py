@@ -14,12 +14,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
+from base import environment
+
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
 
 
 def build(name: str, source: str, extra_cflags: list[str]) -> ModuleType | None:
-    if os.environ.get("FERRY_CPU_KERNELS", "1") == "0":
+    if not environment.FERRY_CPU_KERNELS:
         return None
     # the build runs ninja, which pip installs beside this interpreter when the system has none
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])

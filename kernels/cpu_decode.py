@@ -5,11 +5,11 @@ available the torch path is used instead.
 """
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 
+from base import environment
 from kernels import cpu_build
 
 
@@ -38,6 +38,6 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     advice was taken; the contents are untouched either way."""
     module = extension()
     storage = tensor.untyped_storage()
-    if module is None or os.environ.get("FERRY_CPU_HUGEPAGES", "1") == "0" or storage.nbytes() < 4 << 20:
+    if module is None or not environment.FERRY_CPU_HUGEPAGES or storage.nbytes() < 4 << 20:
         return False
     return module.advise_huge_pages(storage.data_ptr(), storage.nbytes()) > 0

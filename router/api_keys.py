@@ -4,12 +4,10 @@ and all callers share one budget."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
+from base import environment
 from base.cluster_auth import matching_key
-
-API_KEY_ENV = "FERRY_API_KEY"
 
 
 def add_api_key_args(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +19,7 @@ def add_api_key_args(parser: argparse.ArgumentParser) -> None:
 
 def api_keys(args: argparse.Namespace) -> list[str]:
     """The keys the flags give (else $FERRY_API_KEY's); ValueError when --api-key-file cannot be read."""
-    keys = list(args.api_key) or os.environ.get(API_KEY_ENV, "").split(",")
+    keys = list(args.api_key) or environment.FERRY_API_KEY.split(",")
     if args.api_key_file:
         try:
             keys += Path(args.api_key_file).read_text().splitlines()

@@ -9,33 +9,27 @@ KeyLimiter counts within one router; router/shared_limits.py shares the counts a
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from base.options import option
+
 
 @dataclass(frozen=True)
 class KeyLimits:
-    max_concurrent: int = 0        # streams in flight per key; 0: no cap
-    tokens_per_minute: int = 0     # prompt + completion tokens per key per minute; 0: no cap
+    max_concurrent: int = option(0, "streams in flight per API key, counted across the routers on one Redis; "
+                                    "more get RESOURCE_EXHAUSTED / HTTP 429; 0: no cap",
+                                 flag="--max-concurrent-requests-per-key")
+    tokens_per_minute: int = option(0, "prompt + completion tokens per API key per minute, across the routers on "
+                                       "one Redis; a prompt the budget left cannot cover gets 429 until it has "
+                                       "refilled; 0: no cap", flag="--max-tokens-per-minute-per-key")
 
-
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-concurrent-requests-per-key", type=int, default=0,
-                        help="streams in flight per API key, counted across the routers on one Redis; more get "
-                             "RESOURCE_EXHAUSTED / HTTP 429; 0: no cap")
-    parser.add_argument("--max-tokens-per-minute-per-key", type=int, default=0,
-                        help="prompt + completion tokens per API key per minute, across the routers on one Redis; a "
-                             "prompt the budget left cannot cover gets 429 until it has refilled; 0: no cap")
-
-
-def key_limits(args: argparse.Namespace) -> KeyLimits:
-    if args.max_concurrent_requests_per_key < 0 or args.max_tokens_per_minute_per_key < 0:
-        raise ValueError("per-key limits must be 0 (no cap) or positive")
-    return KeyLimits(args.max_concurrent_requests_per_key, args.max_tokens_per_minute_per_key)
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 0 or self.tokens_per_minute < 0:
+            raise ValueError("per-key limits must be 0 (no cap) or positive")
 
 
 class OverLimit(Exception):

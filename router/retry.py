@@ -9,13 +9,13 @@ router still tries them (failing open), so a lone scheduler is never shut off by
 """
 from __future__ import annotations
 
-import argparse
 import enum
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from base.options import option
 from protos.registry import SchedulerInfo
 
 Clock = Callable[[], float]
@@ -23,12 +23,16 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class RetryOptions:
-    max_attempts: int = 3            # schedulers a request may fail on (UNAVAILABLE) before its error is final
-    budget_rate: float = 100.0       # retries per second the global bucket refills
-    budget_burst: float = 1024.0     # retries the bucket holds: all that one dead scheduler held (256 running + 512
-    #                                  queued by default) can be retried at once
-    breaker_failures: int = 3        # failure incidents in a row that open a scheduler's breaker
-    breaker_cooldown: float = 10.0   # seconds an open breaker keeps its scheduler skipped
+    max_attempts: int = option(3, "tries a request gets in all: once this many schedulers failed it (UNAVAILABLE), "
+                                  "its error is final", flag="--retry-max-attempts")
+    budget_rate: float = option(100.0, "retries per second the router's global retry budget refills",
+                                flag="--retry-budget-rate")
+    # all that one dead scheduler held (256 running + 512 queued by default) can be retried at once
+    budget_burst: float = option(1024.0, "retries the global retry budget holds at most", flag="--retry-budget-burst")
+    breaker_failures: int = option(3, "failure incidents in a row after which a scheduler is skipped (circuit "
+                                      "breaker)")
+    breaker_cooldown: float = option(10.0, "seconds a scheduler whose breaker opened is skipped before it is tried "
+                                           "again")
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.breaker_failures < 1:
@@ -155,23 +159,3 @@ class RetryGovernor:
 
     def states(self) -> dict[str, BreakerState]:
         return {scheduler_id: breaker.state() for scheduler_id, breaker in self.breakers.items()}
-
-
-def add_retry_args(parser: argparse.ArgumentParser) -> None:
-    defaults = RetryOptions()
-    parser.add_argument("--retry-max-attempts", type=int, default=defaults.max_attempts,
-                        help="tries a request gets in all: once this many schedulers failed it (UNAVAILABLE), "
-                        "its error is final")
-    parser.add_argument("--retry-budget-rate", type=float, default=defaults.budget_rate,
-                        help="retries per second the router's global retry budget refills")
-    parser.add_argument("--retry-budget-burst", type=float, default=defaults.budget_burst,
-                        help="retries the global retry budget holds at most")
-    parser.add_argument("--breaker-failures", type=int, default=defaults.breaker_failures,
-                        help="failure incidents in a row after which a scheduler is skipped (circuit breaker)")
-    parser.add_argument("--breaker-cooldown", type=float, default=defaults.breaker_cooldown,
-                        help="seconds a scheduler whose breaker opened is skipped before it is tried again")
-
-
-def retry_options(args: argparse.Namespace) -> RetryOptions:
-    return RetryOptions(args.retry_max_attempts, args.retry_budget_rate, args.retry_budget_burst,
-                        args.breaker_failures, args.breaker_cooldown)

@@ -4,15 +4,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from base.config import DRAIN_TIMEOUT_S
 from base.telemetry import extract_metadata, setup_tracing
-from base.tls import TlsConfig
 from protos import router_pb2, router_pb2_grpc
 from router.api_keys import presented_key
 from router.core import RequestError, Router
@@ -20,12 +17,12 @@ from router.discovery import SchedulerDirectory
 from router.http.app import create_app
 from router.http.body import MAX_REQUEST_BYTES
 from router.http.errors import RETRY_AFTER_S
-from router.http.serve import HttpLimits, HttpServer, serve_http
+from router.http.serve import HttpServer, serve_http
 from router.http.served_models import directory_models
-from router.limits import KeyLimits
 from router.metrics import RouterTelemetry
+from router.options import RouterOptions
 from router.policy import POLICIES
-from router.retry import RetryGovernor, RetryOptions
+from router.retry import RetryGovernor
 from router.shared_limits import key_limiter
 
 log = logging.getLogger(__name__)
@@ -85,31 +82,6 @@ def grpc_server_options(max_request_bytes: int) -> list[tuple[str, int]]:
 def client_key(metadata, api_keys: list[str]) -> str | None:
     """The API key the call's `authorization: Bearer <key>` metadata carries, if it is one of api_keys."""
     return presented_key(api_keys, str(dict(metadata or ()).get("authorization", "")))
-
-
-@dataclass
-class RouterOptions:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    redis_url: str = ""
-    schedulers: list[str] = field(default_factory=list)
-    model_path: str = ""
-    policy: str = "cache_aware"
-    http_host: str = "127.0.0.1"
-    http_port: int = 0                  # 0: no HTTP
-    api_keys: list[str] = field(default_factory=list)   # none: no key needed
-    max_concurrent_requests: int = 4096  # more get RESOURCE_EXHAUSTED / 429
-    max_request_bytes: int = MAX_REQUEST_BYTES
-    drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds in-flight streams get to finish
-    retry: RetryOptions = field(default_factory=RetryOptions)
-    key_limits: KeyLimits = KeyLimits()
-    cluster_token: str = ""              # presented to schedulers
-    redis_password: str = ""
-    tls: TlsConfig = TlsConfig()         # cert: TLS on gRPC and HTTP; ca: schedulers dialed over TLS, checked by it
-    reuse_port: bool = False             # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
-    tool_call_parser: str = ""           # "auto" tool calls' format (hermes, llama3_json); "": from the chat template
-    http_limits: HttpLimits = field(default_factory=HttpLimits)   # connections, header and body timeouts
-    scheduler_keepalive: float = 10.0    # seconds: router -> scheduler pings (SchedulerDirectory.keepalive_s)
 
 
 async def serve(options: RouterOptions) -> int:

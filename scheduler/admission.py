@@ -9,6 +9,8 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from base.options import option
+
 if TYPE_CHECKING:
     from scheduler.core import Scheduler
 
@@ -19,8 +21,10 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    max_queued_requests: int = 512       # requests waiting beyond the free seats of the running batch
-    max_queued_tokens: int = 1 << 20     # tokens those requests still have to prefill
+    max_queued_requests: int = option(512, "requests waiting beyond the running batch's free seats; more get "
+                                           "RESOURCE_EXHAUSTED")
+    max_queued_tokens: int = option(1 << 20, "prompt tokens those requests still have to prefill; more get "
+                                             "RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1 or self.max_queued_tokens < 1:

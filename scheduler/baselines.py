@@ -11,6 +11,7 @@ import functools
 from dataclasses import dataclass
 
 from base.config import EngineConfig
+from protos import worker_pb2
 from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.sequence import Sequence
@@ -48,13 +49,9 @@ class ContiguousBlockManager(BlockManager):
         return super().blocks_for(max(num_tokens, self.reserve_tokens))
 
 
-def scheduler_for(config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
-                  eos_token_ids: list[int], model_name: str, model_path: str = "", vocab_size: int = 0,
-                  sliding_window: int = 0) -> Scheduler:
+def scheduler_for(config: EngineConfig, model: worker_pb2.ModelInfo) -> Scheduler:
     """The core Scheduler, or the baseline the config names."""
     scheduler_type = StaticBatchingScheduler if config.batching == "static" else Scheduler
-    new_block_manager = (functools.partial(ContiguousBlockManager, reserve_tokens=max_model_len)
+    new_block_manager = (functools.partial(ContiguousBlockManager, reserve_tokens=model.max_model_len)
                          if config.kv_layout == "contiguous" else BlockManager)
-    return scheduler_type(config, num_blocks, block_size, max_model_len, eos_token_ids, model_name,
-                          new_block_manager=new_block_manager, model_path=model_path, vocab_size=vocab_size,
-                          sliding_window=sliding_window)
+    return scheduler_type(config, model, new_block_manager=new_block_manager)

@@ -41,18 +41,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int,
-                 eos_token_ids: list[int], model_name: str,
-                 new_block_manager: Callable[..., BlockManager] = BlockManager, model_path: str = "",
-                 vocab_size: int = 0, sliding_window: int = 0):
+    def __init__(self, config: EngineConfig, model: worker_pb2.ModelInfo,
+                 new_block_manager: Callable[..., BlockManager] = BlockManager):
         self.config = config
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = new_block_manager(num_blocks, block_size, root_hash(model_name, config.hash_seed),
+        self.block_size = model.block_size
+        self.max_model_len = model.max_model_len
+        self.eos_token_ids = frozenset(model.eos_token_ids)
+        self.block_manager = new_block_manager(model.num_blocks, model.block_size,
+                                               root_hash(model.model_name, config.hash_seed),
                                                enable_prefix_caching=config.enable_prefix_caching,
                                                announce_prompts=config.announce_prompts,
-                                               sliding_window=sliding_window)
+                                               sliding_window=model.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -63,8 +62,8 @@ class Scheduler:
         self.scheduled: dict[str, tuple[Sequence, int]] = {}   # the step being scheduled
         self.in_flight: dict[int, list[ScheduledChunk]] = {}     # built steps whose results are not in, by id
         self.budget = 0                           # tokens left to hand out in the step being scheduled
-        self.vocab_size = vocab_size
-        self.structured = StructuredOutputManager(model_path, vocab_size, eos_token_ids,
+        self.vocab_size = model.vocab_size
+        self.structured = StructuredOutputManager(model.model_path, model.vocab_size, list(model.eos_token_ids),
                                                   config.structured_output_compile_workers,
                                                   config.structured_output_compile_timeout)
         self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet

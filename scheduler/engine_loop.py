@@ -75,14 +75,11 @@ class EngineLoop:
         self.triage = CrashTriage()
         self.restarting = False
         self.arrived: list[Rejoining] = []   # requests taken while the worker restarts
-        metrics = SchedulerMetrics(self.load, info.model_name, dict(info.device_info))
+        metrics = SchedulerMetrics(self.load, info.model.model_name, dict(info.device_info))
         self.telemetry = SchedulerTelemetry(metrics, tracing)
 
     def new_scheduler(self) -> Scheduler:
-        info = self.info
-        return scheduler_for(self.config, info.num_blocks, info.block_size, info.max_model_len,
-                             list(info.eos_token_ids), info.model_name, info.model_path, info.vocab_size,
-                             info.sliding_window)
+        return scheduler_for(self.config, self.info.model)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     outputs: asyncio.Queue, trace_parent: Context | None = None,
@@ -94,9 +91,9 @@ class EngineLoop:
             raise Draining("the scheduler is shutting down")
         if self.failure and not self.restarting:
             raise WorkerFailed(self.failure)
-        check_token_ids(prompt_token_ids, self.info.vocab_size)
+        check_token_ids(prompt_token_ids, self.info.model.vocab_size)
         if resumed_token_ids:
-            check_token_ids(resumed_token_ids, self.info.vocab_size)
+            check_token_ids(resumed_token_ids, self.info.model.vocab_size)
         self.limits.check(self.scheduler, len(prompt_token_ids))
         if self.restarting:   # taken, and handed to the new worker with those the old one had
             self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or []))

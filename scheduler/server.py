@@ -15,38 +15,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from base.cluster_auth import ClusterTokenCheck
-from base.config import DRAIN_TIMEOUT_S, EngineConfig
+from base.config import EngineConfig
 from base.grpc_options import GRPC_OPTIONS
 from base.telemetry import setup_tracing
-from base.tls import TlsConfig
 from protos import scheduler_pb2_grpc
 from protos.registry import SchedulerInfo
-from scheduler.admission import AdmissionLimits
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Reporting
+from scheduler.options import ServeOptions
 from scheduler.registry import Registry
 from scheduler.service import SchedulerService
 from scheduler.stall_watch import StallWatch
 from scheduler.worker_process import WorkerProcess
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str = ""
-    redis_url: str = ""
-    scheduler_id: str = ""
-    heartbeat_ttl: float = 3.0
-    metrics_port: int = 0             # 0: no /metrics endpoint
-    log_stats_interval: float = 10.0  # seconds between stats lines; 0: none
-    limits: AdmissionLimits = AdmissionLimits()
-    drain_timeout: float = DRAIN_TIMEOUT_S   # SIGTERM: seconds to finish in-flight requests before failing them
-    cluster_token: str = ""           # callers of the Scheduler service must present it; "": anyone may call
-    redis_password: str = ""
-    tls: TlsConfig = TlsConfig()      # cert: TLS on the gRPC port; ca too: callers need a certificate it signed
 
 
 def reachable_ip() -> str:
@@ -81,15 +63,16 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
         address = advertised_address(options, port)
         reporting = await Reporting.start(loop.telemetry.metrics, loop.load, options.host, options.metrics_port,
                                           options.log_stats_interval)
-        identity = SchedulerInfo(scheduler_id, address, info.model_name, info.model_path, info.block_size,
-                                 info.max_model_len, info.vocab_size, config.hash_seed)
+        model = info.model
+        identity = SchedulerInfo(scheduler_id, address, model.model_name, model.model_path, model.block_size,
+                                 model.max_model_len, model.vocab_size, config.hash_seed)
         watch = StallWatch(loop.stalled_seconds, health_servicer, config.stall_timeout)
         registry = start_registry(loop, options, identity, serving_fn=lambda: not watch.stalled)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         readiness = asyncio.create_task(report_ready(health_servicer, registry))
         watching = asyncio.create_task(watch.run())
-        print(f"scheduler {scheduler_id} serving {info.model_name} on {address} "
-              f"({info.num_blocks} blocks of {info.block_size})", flush=True)
+        print(f"scheduler {scheduler_id} serving {model.model_name} on {address} "
+              f"({model.num_blocks} blocks of {model.block_size})", flush=True)
         await run_until_signalled(loop, server, health_servicer, registry, options.drain_timeout)
         return 1 if loop.failure else 0
     finally:

@@ -91,7 +91,9 @@ def registration(node_id: str, scheduler: Scheduler) -> SchedulerInfo:
 def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = False) -> SimNode:
     config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens,
                           announce_prompts=announce_prompts)
-    scheduler = Scheduler(config, kv_blocks, BLOCK_SIZE, MAX_MODEL_LEN, [], MODEL)
+    model = worker_pb2.ModelInfo(num_blocks=kv_blocks, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                                 model_name=MODEL)
+    scheduler = Scheduler(config, model)
     node_id = f"sched-{index:02d}"
     return SimNode(node_id, scheduler, registration(node_id, scheduler))
 

@@ -29,7 +29,7 @@ class ServedStack:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ferry.cli", "up", "--port", str(port), "--http-port", "0", *up_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env={**os.environ, "FERRY_LOG_LEVEL": os.environ.get("FERRY_LOG_LEVEL", "WARNING"),
+            env={"FERRY_LOG_LEVEL": "WARNING", **os.environ,   # quiet, unless the caller's environment says
                  "FERRY_CLUSTER_TOKEN": self.cluster_token, "FERRY_REDIS_PASSWORD": self.redis_password,
                  **(env or {})})
         self.output: deque[str] = deque(maxlen=60)

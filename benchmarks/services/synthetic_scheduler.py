@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import time
 import uuid
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from tokenizers import Tokenizer
 
-from base import event_loop
+from base import environment, event_loop
 from benchmarks.common.cli_args import bench_parser
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.registry import SchedulerInfo
@@ -135,7 +134,7 @@ async def serve(args: argparse.Namespace) -> None:
     info = SchedulerInfo(f"synthetic-{uuid.uuid4().hex[:8]}", f"127.0.0.1:{port}", args.model_name,
                          args.model_path, 16, 1 << 20, vocab_size)
     # signed as a real scheduler's is, so that a router given $FERRY_CLUSTER_TOKEN too takes it
-    registry = Registry(args.redis_url, lambda: info, cluster_token=os.environ.get("FERRY_CLUSTER_TOKEN", ""))
+    registry = Registry(args.redis_url, lambda: info, cluster_token=environment.FERRY_CLUSTER_TOKEN)
     registry.start()
     stepping = asyncio.create_task(scheduler.run())
     stop = asyncio.Event()

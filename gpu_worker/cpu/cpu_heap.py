@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from base import environment
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 
 def keep_freed_memory() -> bool:
     """Raises glibc's thresholds for this process; returns whether both were taken (False off glibc)."""
-    if os.environ.get("FERRY_CPU_HEAP_CACHE", "1") == "0":
+    if not environment.FERRY_CPU_HEAP_CACHE:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

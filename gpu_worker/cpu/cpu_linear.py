@@ -8,14 +8,14 @@ ones may differ in the last bits (another summation order). FERRY_CPU_PACKED_LIN
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from base import environment
+
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    if device.type != "cpu" or os.environ.get("FERRY_CPU_PACKED_LINEAR", "1") == "0":
+    if device.type != "cpu" or not environment.FERRY_CPU_PACKED_LINEAR:
         return False
     if not torch.backends.mkldnn.is_available():
         return False

@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from base import environment
 from gpu_worker.loading.model_files import gguf_blocks_dir
 from kernels import cpu_quant
 
@@ -77,7 +78,7 @@ class GgufRows:
 
 def use_gguf_blocks(model: nn.Module, gguf_file: Path) -> int:
     """Replace each fp32 nn.Linear whose rows the file holds in Q4_1 / Q8_0 blocks; returns how many were."""
-    kernel = cpu_quant.extension() if os.environ.get("FERRY_CPU_GGUF_BLOCKS", "1") != "0" else None
+    kernel = cpu_quant.extension() if environment.FERRY_CPU_GGUF_BLOCKS else None
     if kernel is None:
         return 0
     linears = {name: module for name, module in model.named_modules() if takes_blocks(module)}

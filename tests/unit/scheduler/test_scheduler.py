@@ -50,7 +50,9 @@ class FakeWorker:
 
 def make_scheduler(num_blocks: int = 64, max_model_len: int = 128, **overrides) -> Scheduler:
     config = EngineConfig(block_size=BLOCK_SIZE, **overrides)
-    return scheduler_for(config, num_blocks, BLOCK_SIZE, max_model_len, [EOS], "tiny")
+    model = worker_pb2.ModelInfo(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_model_len,
+                                 eos_token_ids=[EOS], model_name="tiny")
+    return scheduler_for(config, model)
 
 
 def run_step(scheduler: Scheduler, worker: FakeWorker) -> list[RequestOutput]:

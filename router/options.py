@@ -1,0 +1,45 @@
+"""RouterOptions: what `python -m router` serves with, each field the one source of its flag (base/options.py);
+`ferry up` passes them on with to_argv."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from base.config import DRAIN_TIMEOUT_S
+from base.options import nested, no_flag, option
+from base.tls import TlsConfig
+from router.http.body import MAX_REQUEST_BYTES
+from router.http.serve import HttpLimits
+from router.http.tool_parsers import PARSERS
+from router.limits import KeyLimits
+from router.policy import POLICIES
+from router.retry import RetryOptions
+
+
+@dataclass
+class RouterOptions:
+    host: str = option("127.0.0.1", "address the router's gRPC port binds")
+    port: int = option(50051, "the router's gRPC port")
+    redis_url: str = option("", "the Redis where schedulers register", env="FERRY_REDIS_URL")
+    schedulers: list[str] = option([], "a scheduler to use when Redis is unreachable", flag="--scheduler",
+                                   repeat=True, metavar="HOST:PORT")
+    model_path: str = option("", "tokenizer directory for --scheduler fallbacks")
+    policy: str = option("cache_aware", "how a request's scheduler is picked", choices=sorted(POLICIES))
+    http_host: str = option("127.0.0.1", "OpenAI-compatible HTTP host")
+    http_port: int = option(8000, "OpenAI-compatible HTTP port; 0: no HTTP")
+    http_limits: HttpLimits = nested(HttpLimits())   # connections, header and body timeouts
+    api_keys: list[str] = no_flag([])   # --api-key, --api-key-file, $FERRY_API_KEY (router/api_keys.py); none: no key
+    max_concurrent_requests: int = option(4096, "streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
+    max_request_bytes: int = option(MAX_REQUEST_BYTES, "largest HTTP body (larger: 413) or gRPC message accepted")
+    drain_timeout: float = option(DRAIN_TIMEOUT_S, "on SIGTERM, seconds in-flight streams get to finish")
+    scheduler_keepalive: float = option(10.0, "a scheduler silent this many seconds is pinged; still silent after "
+                                              "as long, its streams break and resume elsewhere")
+    key_limits: KeyLimits = nested(KeyLimits())
+    retry: RetryOptions = nested(RetryOptions())
+    cluster_token: str = no_flag("")      # presented to schedulers
+    redis_password: str = no_flag("")
+    tls: TlsConfig = no_flag(TlsConfig())   # cert: TLS on gRPC and HTTP; ca: schedulers dialed over TLS, checked by it
+    workers: int = option(1, "router processes sharing the gRPC and HTTP ports (SO_REUSEPORT); needs a fixed "
+                             "--port")
+    reuse_port: bool = no_flag(False)     # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
+    tool_call_parser: str = option("", 'the format "auto" tool calls are read in; empty: what the chat template '
+                                       "shows", choices=sorted(PARSERS))
