@@ -1,6 +1,6 @@
 """The constraint a request puts on its output (a JSON schema, any JSON object, a regex, an EBNF grammar or a
 choice of strings), as plain data checked for what can be checked without compiling it. The scheduler compiles
-it (scheduler/structured_output.py); this module stays free of torch and xgrammar, for the router."""
+it (scheduler/grammar_masks.py); this module stays free of torch and xgrammar, for the router."""
 from __future__ import annotations
 
 import json

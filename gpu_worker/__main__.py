@@ -15,7 +15,7 @@ def main() -> None:
     add_log_level_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s worker %(levelname)s %(message)s")
-    from gpu_worker.server import exit_with_parent, serve
+    from gpu_worker.process import exit_with_parent, serve
 
     if args.parent_pid:
         exit_with_parent(args.parent_pid)

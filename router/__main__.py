@@ -11,7 +11,7 @@ from base.options import DefaultsHelpFormatter, add_arguments, add_log_level_arg
 from base.tls import add_tls_args, tls_config
 from router.api_keys import add_api_key_args, api_keys
 from router.options import RouterOptions
-from router.server import serve
+from router.process import serve
 from router.workers import run_workers
 
 

@@ -20,15 +20,15 @@ from base.prompt_checks import check_fits_context, check_logit_bias_ids, check_t
 from base.sampling_params import SamplingParams
 from protos import router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLease, KeyLimiter, OverLimit
-from router.metrics import RequestObservation, RouterTelemetry
 from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
+from router.router_telemetry import RequestObservation, RouterTelemetry
 from router.shared_limits import SharedKeyLimiter
 from router.stream_state import SampleState, StreamState
 from router.tokenizer import RouterTokenizer, load_tokenizer

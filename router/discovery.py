@@ -3,7 +3,7 @@ in the background; and which prompt blocks each holds.
 
 When Redis is unreachable the router keeps the last schedulers it saw, plus any given on its command line
 (probed with Stats once so their model is known), so requests are still served. A registration is checked
-(protos/registry.py: well formed and, with a cluster token, signed with it) before its address is dialed or its
+(protos/registration.py: well formed and, with a cluster token, signed with it) before its address is dialed or its
 model path read; one that fails is skipped, and logged once while it stays bad.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from base.cluster_auth import token_metadata
 from base.grpc_options import GRPC_OPTIONS, keepalive_options
 from base.tls import TlsConfig
 from protos import scheduler_pb2, scheduler_pb2_grpc
-from protos.registry import KEY_PREFIX, SchedulerInfo, blocks_key, registry_key, scheduler_key, verified_registration
+from protos.registration import (KEY_PREFIX, SchedulerInfo, blocks_key, registry_key, scheduler_key,
+                                  verified_registration)
 
 log = logging.getLogger(__name__)
 MAX_PREFIX_LOOKUP_BLOCKS = 512

@@ -8,7 +8,7 @@ from base.config import DRAIN_TIMEOUT_S
 from base.options import nested, no_flag, option
 from base.tls import TlsConfig
 from router.http.body import MAX_REQUEST_BYTES
-from router.http.serve import HttpLimits
+from router.http.http_server import HttpLimits
 from router.http.tool_parsers import PARSERS
 from router.limits import KeyLimits
 from router.policy import POLICIES

@@ -1,16 +1,15 @@
 """Routing policies: pick one live scheduler for a request. A policy is a plain function, so new ones plug in."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
 import itertools
 import random
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import xxhash
 
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.routing_history import RoutingHistory
 
 

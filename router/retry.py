@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from base.options import option
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 
 Clock = Callable[[], float]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from protos.registry import KEY_PREFIX
+from protos.registration import KEY_PREFIX
 from router.limits import KeyLease, KeyLimiter, KeyLimits, check_budget, streams_over
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ def main() -> int:
         parser.error(str(e))
     if tls.ca and not tls.serving:
         parser.error("--tls-ca needs --tls-cert and --tls-key (the scheduler checks callers' certificates over TLS)")
-    from scheduler.server import serve
+    from scheduler.process import serve
 
     return event_loop.run(serve(from_args(EngineConfig, args), options))
 

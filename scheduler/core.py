@@ -23,12 +23,12 @@ from base.sampling_params import SamplingParams
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
+from scheduler.grammar_masks import StructuredOutputManager
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
 from scheduler.stats import StepCounters, stats_response
 from scheduler.stopping import finish_reason
-from scheduler.structured_output import StructuredOutputManager
 
 
 @dataclass

@@ -27,7 +27,7 @@ from scheduler.admission import AdmissionLimits
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
 from scheduler.crash_triage import CrashTriage, Rejoining
-from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
+from scheduler.scheduler_telemetry import SchedulerMetrics, SchedulerTelemetry
 from scheduler.worker_process import WorkerFailed, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Draining(Exception):
 @dataclass(eq=False)
 class RequestStream:
     """Where the loop hands one request's outputs: a queue of (stream, RequestOutput | Exception), shared by every
-    request of a Connect stream (scheduler/service.py)."""
+    request of a Connect stream (scheduler/grpc_service.py)."""
     request_id: str
     num_samples: int
     outputs: asyncio.Queue

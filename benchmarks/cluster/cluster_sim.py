@@ -22,7 +22,7 @@ from base.sampling_params import SamplingParams
 from benchmarks.cluster.cost_model import CostProfile, step_work
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.discovery import leading_matches
 from router.policy import RoutingInput, RoutingPolicy, notify_finished
 from scheduler.admission import AdmissionLimits, QueueFull
@@ -82,7 +82,7 @@ class PrefixIndex:
 
 
 def registration(node_id: str, scheduler: Scheduler) -> SchedulerInfo:
-    """What a scheduler's heartbeat writes (scheduler/server.py), from its Stats."""
+    """What a scheduler's heartbeat writes (scheduler/process.py), from its Stats."""
     stats = scheduler.stats()
     return SchedulerInfo(node_id, f"sim:{node_id}", MODEL, MODEL, BLOCK_SIZE, MAX_MODEL_LEN, VOCAB, 0,
                          stats.num_waiting, stats.num_running, stats.waiting_tokens, stats.running_tokens)

@@ -25,8 +25,8 @@ from tokenizers import Tokenizer
 from base import environment, event_loop
 from benchmarks.common.cli_args import bench_parser
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from protos.registry import SchedulerInfo
-from scheduler.registry import Registry
+from protos.registration import SchedulerInfo
+from scheduler.presence import Registry
 
 SINGLE_CHARACTERS = "abcdefghijklmnopqrstuvwxyz"
 

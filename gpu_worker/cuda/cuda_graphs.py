@@ -126,7 +126,7 @@ class DecodeGraphs:
         return run
 
     def fill(self, rows: DecodeRows, size: int) -> None:
-        n, pad = len(rows.input_ids), size - len(rows.input_ids)
+        pad = size - len(rows.input_ids)
         tables = torch.zeros(size, self.table_width, dtype=torch.int32)
         for i, table in enumerate(rows.block_tables):
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)

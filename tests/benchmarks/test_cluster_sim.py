@@ -17,7 +17,7 @@ from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_p
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.policy import POLICIES, RoutingInput
 
 SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,

@@ -26,7 +26,7 @@ from base.cluster_auth import token_metadata
 from ferry.launcher import free_port, wait_for_health
 from ferry.stack import Stack
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from protos.registry import SchedulerInfo, scheduler_key, verified_registration
+from protos.registration import SchedulerInfo, scheduler_key, verified_registration
 from tests.services_fixtures import CHILD_ENV, KV_CACHE_BYTES, collect, greedy, served_alone, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

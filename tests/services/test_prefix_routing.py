@@ -9,7 +9,7 @@ import pytest
 
 from protos import router_pb2, scheduler_pb2_grpc
 from protos.block_hash import hash_blocks
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.policy import POLICIES, RoutingInput, cache_aware, rendezvous_weight
 from tests.services_fixtures import (ConnectStream, child_pids, collect, greedy, indexed_blocks, served_alone,
                                      start_services, wait_until)

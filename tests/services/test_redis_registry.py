@@ -1,4 +1,4 @@
-"""The Redis registry on a real redis-server, publisher (scheduler/registry.py) against reader (router/discovery.py):
+"""The Redis registry on a real redis-server, publisher (scheduler/presence.py) against reader (router/discovery.py):
 discovery reads the registry set rather than scanning the keyspace, nothing a scheduler wrote outlives its
 registration, a scheduler whose registration Redis lost publishes again everything it holds, and a router takes
 only registrations that are well formed and signed with its cluster token."""
@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from ferry.launcher import free_port
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.discovery import SchedulerDirectory
-from scheduler.registry import Registry
+from scheduler.presence import Registry
 from tests.services_fixtures import running_redis, wait_until
 
 TTL_S = 1.0

@@ -21,13 +21,13 @@ from base.tls import TlsConfig
 from ferry.launcher import free_port
 from ferry.stack import Stack
 from protos import common_pb2, router_pb2
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.core import RequestError, Router
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLease, KeyLimiter, KeyLimits, OverLimit
 from router.shared_limits import SharedKeyLimiter, bucket_key
 from scheduler.__main__ import build_parser, check_exposure
-from scheduler.registry import Registry
+from scheduler.presence import Registry
 from tests.conftest import make_pki
 from tests.services_fixtures import redis_answers, running_redis, start_redis, wait_until
 from tests.synthetic_fixtures import synthetic_scheduler

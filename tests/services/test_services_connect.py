@@ -126,7 +126,7 @@ def test_outputs_piled_up_past_the_split_size_go_out_in_several_messages_in_orde
     from protos import common_pb2
     from scheduler.core import RequestOutput
     from scheduler.engine_loop import RequestStream
-    from scheduler.service import Connection
+    from scheduler.grpc_service import Connection
 
     async def messages() -> list[scheduler_pb2.ConnectResponse]:
         connection = Connection(SimpleNamespace(streams={}), split_bytes=4096)

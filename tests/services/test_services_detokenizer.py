@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.detokenizer import IncrementalDetokenizer, held_back_length
 from router.policy import RoutingInput, least_loaded
 from router.tokenizer import RouterTokenizer
@@ -171,7 +171,7 @@ def test_router_never_imports_torch():
     import subprocess
     import sys
 
-    code = "import sys, router.server, router.__main__; sys.exit('torch' in sys.modules)"
+    code = "import sys, router.process, router.__main__; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

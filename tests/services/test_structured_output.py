@@ -19,7 +19,7 @@ from base.structured_output import StructuredOutput
 from protos import common_pb2, router_pb2
 from scheduler import grammar_compilation
 from scheduler.grammar_compilation import GrammarCache
-from scheduler.structured_output import StructuredOutputManager
+from scheduler.grammar_masks import StructuredOutputManager
 from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 from tests.services_fixtures import collect, greedy, start_services
 

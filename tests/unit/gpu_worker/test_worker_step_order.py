@@ -7,8 +7,8 @@ import time
 
 from grpc_health.v1 import health
 
-from gpu_worker import server
-from gpu_worker.server import WorkerService
+from gpu_worker import process
+from gpu_worker.process import WorkerService
 from protos import worker_pb2
 
 
@@ -30,7 +30,7 @@ def test_a_step_that_arrives_before_the_one_sent_ahead_of_it_waits_for_it() -> N
 
 
 def test_a_predecessor_that_never_comes_holds_the_next_step_back_only_for_a_while(monkeypatch) -> None:
-    monkeypatch.setattr(server, "STEP_ORDER_WAIT_S", 0.2)
+    monkeypatch.setattr(process, "STEP_ORDER_WAIT_S", 0.2)
     service = WorkerService(health.HealthServicer())
     order = []
     service.in_step_order(worker_pb2.StepRequest(step_id=5, previous_step_id=4), lambda: order.append(5))

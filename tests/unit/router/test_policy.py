@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from protos.block_hash import hash_blocks
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.policy import POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, rendezvous_weight
 from router.routing_history import RoutingHistory
 

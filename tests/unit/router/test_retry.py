@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from protos import common_pb2, scheduler_pb2
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.core import RequestError, Router, SampleState, StreamState
 from router.detokenizer import IncrementalDetokenizer
 from router.retry import BreakerState, CircuitBreaker, RetryBudget, RetryGovernor, RetryOptions

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from protos import common_pb2, router_pb2
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from router.core import RequestError, Router
 from router.prompt_length import LONG_PROMPT_CHARS, MAX_CHARS_PER_TOKEN
 from router.tokenizer import RouterTokenizer

@@ -26,12 +26,12 @@ PLACES = {
     "presence_penalty": {"gpu_worker/sampling/sampler.py"},
     "frequency_penalty": {"gpu_worker/sampling/sampler.py"},
     "repetition_penalty": {"gpu_worker/sampling/sampler.py"},
-    "stop_token_ids": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/structured_output.py",
+    "stop_token_ids": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/grammar_masks.py",
                        "scheduler/grammar_compilation.py"},   # there: xgrammar's argument, the model's stop tokens
     "ignore_eos": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py"},
     "include_stop_str_in_output": {"router/core.py"},
     "bad_words": {"scheduler/bad_words.py", "scheduler/core.py", "scheduler/grammar_compilation.py",
-                  "scheduler/structured_output.py"},
+                  "scheduler/grammar_masks.py"},
 }
 CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
               dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos import scheduler_pb2
-from scheduler.metrics import StatsCollector
+from scheduler.scheduler_telemetry import StatsCollector
 
 
 def test_scheduler_metrics_carry_the_names_the_inference_gateway_reads():
@@ -21,7 +21,7 @@ def test_scheduler_metrics_carry_the_names_the_inference_gateway_reads():
 
 
 def test_gateway_gauges_survive_the_text_exposition():
-    from scheduler.metrics import SchedulerMetrics
+    from scheduler.scheduler_telemetry import SchedulerMetrics
 
     stats = scheduler_pb2.StatsResponse(num_running=1, num_blocks=10, num_free_blocks=10)
     text = SchedulerMetrics(lambda: stats, "tiny").exposition().decode()

@@ -8,7 +8,7 @@ from ferry.launcher import free_port
 def test_tracing_is_off_and_steps_carry_nothing_without_an_endpoint(monkeypatch):
     from base.telemetry import TRACING_OFF, setup_tracing
     from protos import scheduler_pb2, worker_pb2
-    from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
+    from scheduler.scheduler_telemetry import SchedulerMetrics, SchedulerTelemetry
 
     for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
@@ -23,7 +23,7 @@ def test_tracing_is_off_and_steps_carry_nothing_without_an_endpoint(monkeypatch)
 
 def test_stats_line_reports_load_kv_usage_and_throughput():
     from protos import scheduler_pb2
-    from scheduler.metrics import StatsLogger
+    from scheduler.scheduler_telemetry import StatsLogger
 
     stats = [scheduler_pb2.StatsResponse(num_blocks=100, num_free_blocks=100),
              scheduler_pb2.StatsResponse(num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=75,
@@ -39,7 +39,7 @@ def test_stats_line_reports_load_kv_usage_and_throughput():
 def test_requests_the_sampler_drops_add_nothing_to_steps(monkeypatch):
     from base.telemetry import setup_tracing
     from protos import scheduler_pb2, worker_pb2
-    from scheduler.metrics import SchedulerMetrics, SchedulerTelemetry
+    from scheduler.scheduler_telemetry import SchedulerMetrics, SchedulerTelemetry
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")

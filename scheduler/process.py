@@ -19,12 +19,12 @@ from base.config import EngineConfig
 from base.grpc_options import GRPC_OPTIONS
 from base.telemetry import setup_tracing
 from protos import scheduler_pb2_grpc
-from protos.registry import SchedulerInfo
+from protos.registration import SchedulerInfo
 from scheduler.engine_loop import EngineLoop
-from scheduler.metrics import Reporting
+from scheduler.grpc_service import SchedulerService
 from scheduler.options import ServeOptions
-from scheduler.registry import Registry
-from scheduler.service import SchedulerService
+from scheduler.presence import Registry
+from scheduler.scheduler_telemetry import Reporting
 from scheduler.stall_watch import StallWatch
 from scheduler.worker_process import WorkerProcess
 
