@@ -112,13 +112,12 @@ def run(args) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = bench_parser("cost-fit", __doc__)
+    parser = bench_parser("cost-fit", __doc__, json_output=True)
     add_model_args(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores; 1: one of two "
                                                                 "schedulers sharing a 2-core machine)")
     parser.add_argument("--name", default="cpu_fitted", help="the profile's name")
     parser.add_argument("--out", type=Path, help="write the profile here, for `ferry bench cluster --profile`")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     args.threads = args.threads or os.cpu_count() or 1
     report(args, {"machine": machine(), **run(args)})

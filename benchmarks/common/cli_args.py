@@ -10,10 +10,14 @@ from pathlib import Path
 from benchmarks.common import workloads
 
 
-def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
-    """The parser of `ferry bench NAME`, described by its module's docstring."""
-    return argparse.ArgumentParser(prog=f"ferry bench {name}", description=doc,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_parser(name: str, doc: str, json_output: bool = False) -> argparse.ArgumentParser:
+    """The parser of `ferry bench NAME`, described by its module's docstring; json_output: with --json, which prints
+    one JSON object rather than the report."""
+    parser = argparse.ArgumentParser(prog=f"ferry bench {name}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if json_output:
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:

@@ -109,7 +109,7 @@ def measure(shapes: MoeShapes, dtype: str = "auto", batch: int = 32, prompt_len:
 
 
 def main(argv: list[str]) -> int:
-    parser = bench_parser("moe", __doc__)
+    parser = bench_parser("moe", __doc__, json_output=True)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=8)
@@ -118,7 +118,6 @@ def main(argv: list[str]) -> int:
     add_dtype_arg(parser)
     add_batch_args(parser, prompt_len=64)
     parser.add_argument("--repeats", type=int, default=32, help="decode steps timed per model, interleaved")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     shapes = MoeShapes(hidden_size=args.hidden_size, num_layers=args.layers, num_experts=args.experts,
                        top_k=args.top_k, expert_size=args.expert_size)

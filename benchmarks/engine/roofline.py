@@ -172,12 +172,11 @@ def measure_memory_bound(model_dir: str, dtype: str = "bfloat16", batch: int = 6
 def main(argv: list[str]) -> int:
     """On a GPU the decode step against the memory bound (weights and KV read at the measured bandwidth), on a CPU
     against the FLOP limit."""
-    parser = bench_parser("roofline", __doc__)
+    parser = bench_parser("roofline", __doc__, json_output=True)
     add_model_args(parser)
     add_batch_args(parser, prompt_len=128)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed (the median is reported)")
     parser.add_argument("--matmul-size", type=int, default=4096, help="the square fp32 matmul that sets the peak")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if torch.cuda.is_available():
         result = measure_memory_bound(model_dir(args), concrete_dtype(args.dtype), args.batch, args.prompt_len,

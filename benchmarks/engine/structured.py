@@ -148,12 +148,11 @@ def measure(model_dir: str, dtype: str = "auto", batch: int = 32, prompt_len: in
 
 
 def main(argv: list[str]) -> int:
-    parser = bench_parser("structured", __doc__)
+    parser = bench_parser("structured", __doc__, json_output=True)
     add_model_args(parser)
     add_batch_args(parser, prompt_len=64)
     parser.add_argument("--repeats", type=int, default=32, help="decode steps timed per batch, interleaved")
     parser.add_argument("--trials", type=int, default=5, help="lone requests timed per time-to-first-token case")
-    parser.add_argument("--json", action="store_true", help="print one JSON object, not a markdown table")
     args = parser.parse_args(argv)
     result = measure(model_dir(args), args.dtype, args.batch, args.prompt_len, args.repeats, args.trials)
     if args.json:

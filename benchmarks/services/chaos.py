@@ -181,14 +181,13 @@ def run(model: str, faults: list[Fault], clients: int = 8, max_tokens: int = 64,
 
 
 def main(argv: list[str]) -> int:
-    parser = bench_parser("chaos", __doc__)
+    parser = bench_parser("chaos", __doc__, json_output=True)
     add_model_args(parser)
     parser.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stop-seconds", type=float, default=10.0, help="how long a scheduler stays SIGSTOPped")
     parser.add_argument("--redis-down-seconds", type=float, default=30.0, help="how long Redis stays SIGSTOPped")
     parser.add_argument("--only", default="", help="comma list of scenario names to run (default: all)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     # float32: each answer is the same whatever batch it shares, so a resumed stream can be checked token for token
     parser.set_defaults(dtype="float32")
     args = parser.parse_args(argv)

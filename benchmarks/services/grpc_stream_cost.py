@@ -91,11 +91,10 @@ def measure(streams: int, messages: int, interval: float) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = bench_parser("grpc-stream-cost", __doc__)
+    parser = bench_parser("grpc-stream-cost", __doc__, json_output=True)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--messages", type=int, default=200, help="per stream")
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between rounds of messages")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = measure(args.streams, args.messages, args.interval)
     if args.json:

@@ -227,11 +227,10 @@ FLAGS = [
 
 
 def main(argv: list[str]) -> int:
-    parser = bench_parser("router", __doc__)
+    parser = bench_parser("router", __doc__, json_output=True)
     for flag, kind, default, text in FLAGS:
         parser.add_argument(flag, type=kind, default=default, help=text)
     parser.add_argument("--plot-dir", type=Path)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     tokenizer_dir = args.model or model_dir(args)   # only its tokenizer is read: no config.json needed
     options = BenchOptions(tokenizer_dir, [int(c) for c in args.clients.split(",")], args.apis.split(","),
