@@ -187,13 +187,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stop-seconds", type=float, default=10.0, help="how long a scheduler stays SIGSTOPped")
     parser.add_argument("--redis-down-seconds", type=float, default=30.0, help="how long Redis stays SIGSTOPped")
+    parser.add_argument("--long-prompt-tokens", type=int, default=8000,
+                        help="the length of the three prompts sent with their logprobs")
+    parser.add_argument("--deadline-seconds", type=float, default=120.0,
+                        help="a request not answered in this long counts as hung")
     parser.add_argument("--only", default="", help="comma list of scenario names to run (default: all)")
     # float32: each answer is the same whatever batch it shares, so a resumed stream can be checked token for token
     parser.set_defaults(dtype="float32")
     args = parser.parse_args(argv)
-    faults = scenarios(args.stop_seconds, args.redis_down_seconds)
+    faults = scenarios(args.stop_seconds, args.redis_down_seconds, long_prompt_tokens=args.long_prompt_tokens)
     if args.only:
         faults = [f for f in faults if f.name in args.only.split(",")]
-    rows = run(model_dir(args), faults, args.clients, args.max_tokens, up_flags=("--dtype", args.dtype))
+    rows = run(model_dir(args), faults, args.clients, args.max_tokens, deadline_s=args.deadline_seconds,
+               up_flags=("--dtype", args.dtype))
     report(args, {"machine": machine(), "clients": args.clients, "max_tokens": args.max_tokens, "scenarios": rows})
     return 0 if all(r["done"] == r["requests"] and not r["wrong"] for r in rows) else 1
