@@ -12,7 +12,7 @@ import pytest
 from benchmarks.cli import BENCHMARKS
 from benchmarks.services import grpc_stream_cost
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(*args: str) -> dict:
