@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from protos import scheduler_pb2
 from scheduler.block_manager import kv_usage
 
-log = logging.getLogger("scheduler.scheduler_telemetry")   # the logger these lines always came from
+log = logging.getLogger("scheduler.metrics")   # the logger these lines always came from
 StatsFn = Callable[[], scheduler_pb2.StatsResponse]
 
 

@@ -148,7 +148,7 @@ def test_one_trace_per_request_router_root_scheduler_child_worker_steps_linked(t
     router = router_span_for(receiver, "traced-1")
     scheduler, steps = trace_of(receiver, router)
 
-    assert router.service == "ferry-router" and scheduler.grpc_service == "ferry-scheduler"
+    assert router.service == "ferry-router" and scheduler.service == "ferry-scheduler"
     assert router.span.parent_span_id == b""                               # the root of the trace
     assert router.span.kind == trace_pb2.Span.SPAN_KIND_SERVER
     route = router.attributes
