@@ -53,5 +53,7 @@ def test_loading_a_fp32_checkpoint_in_bf16_grows_host_memory_by_about_the_bf16_m
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["dtype"] == "torch.bfloat16"
     largest_fp32 = SHAPE["vocab_size"] * SHAPE["hidden_size"] * 4
-    bound = checkpoint_bytes // 2 + 2 * largest_fp32 + 64 * MiB   # the bf16 model, a fused tensor in flight, slack
+    # the bf16 model, a fused tensor in flight, slack: the growth measured 543-626 MiB on one machine (the checkpoint's
+    # mapped pages count while mapped), with the code of 2a72194 as now; an fp32 copy would add 320 MiB more
+    bound = checkpoint_bytes // 2 + 2 * largest_fp32 + 128 * MiB
     assert result["grown"] < bound, f"host memory grew {result['grown'] / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"
