@@ -25,15 +25,14 @@ from dataclasses import dataclass
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
-from base.speculative import SpeculativeConfig, parse_speculative_config
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
 from scheduler.grammar_masks import StructuredOutputManager
-from scheduler.ngram_proposer import NgramProposer
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
+from scheduler.speculation import Speculation
 from scheduler.stats import StepCounters, stats_response
 from scheduler.stopping import finish_reason
 
@@ -77,8 +76,7 @@ class Scheduler:
                                                   config.structured_output_compile_timeout)
         self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
-        self.speculative: SpeculativeConfig | None = parse_speculative_config(config.speculative_config)
-        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        self.speculation = Speculation(config.speculative_config, model.max_model_len)
         self.drafts: dict[str, list[int]] = {}   # the step being scheduled: proposals by seq_id
 
     # --- requests ------------------------------------------------------------------------------------
@@ -166,27 +164,18 @@ class Scheduler:
         needs the pending one."""
         if seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens:
             return False
-        if seq.num_pending_tokens > 1 or self.speculating():   # proposals in flight, or to come once it is known
-            return False
+        if seq.num_pending_tokens > 1 or self.speculation.active(len(self.running)):
+            return False   # proposals in flight, or to be made once its pending token is known
         return seq.num_tokens < self.max_model_len and not self.structured.constrains(seq.seq_id)
 
     # --- speculative decoding ------------------------------------------------------------------------
-    def speculating(self) -> bool:
-        """Whether decodes get proposals now: speculation is on and the batch is small enough that verifying them
-        costs less than the steps they save (disable_by_batch_size)."""
-        limit = self.speculative.disable_by_batch_size if self.speculative else 0
-        return self.speculative is not None and (not limit or len(self.running) < limit)
-
     def speculate(self, seq: Sequence, num_tokens: int) -> int:
         """Propose tokens after seq's last one, if it decodes now and the pool holds them without preempting
         anyone; how many it got."""
-        if num_tokens != 1 or seq.num_pending_tokens or seq.seq_id not in self.worker_seqs or not self.speculating():
+        if (num_tokens != 1 or seq.num_pending_tokens or seq.seq_id not in self.worker_seqs
+                or not self.speculation.active(len(self.running)) or self.structured.constrains(seq.seq_id)):
             return 0
-        limit = min(self.speculative.num_speculative_tokens, self.budget - 1,
-                    seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
-        if limit < 1 or self.structured.constrains(seq.seq_id):
-            return 0
-        drafts = self.proposer.propose(seq, limit)
+        drafts = self.speculation.propose(seq, self.budget)
         self.block_manager.free_blocks_before_window(seq)
         if not drafts or not self.block_manager.append_slots(seq, 1 + len(drafts)):
             return 0
@@ -286,8 +275,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        if self.proposer is not None:
-            self.proposer.forget(seq.seq_id)
+        self.speculation.forget(seq.seq_id)
         if seq.seq_id in self.worker_seqs:
             self.worker_seqs.discard(seq.seq_id)
             self.freed_seq_ids.append(seq.seq_id)

@@ -1,0 +1,34 @@
+"""Which decodes get proposals, and how many: the speculative-decoding policy the scheduler asks each step.
+
+Proposals are scheduled tokens like any other: a decode with k of them takes 1 + k of the step's budget and KV
+slots for them. They stop at the request's max_tokens and the model's length, and the whole batch stops proposing
+while disable_by_batch_size or more sequences run (there, verifying costs more than the steps it saves)."""
+from __future__ import annotations
+
+from base.speculative import SpeculativeConfig, parse_speculative_config
+from scheduler.ngram_proposer import NgramProposer
+from scheduler.sequence import Sequence
+
+
+class Speculation:
+    def __init__(self, config_text: str, max_model_len: int):
+        self.config: SpeculativeConfig | None = parse_speculative_config(config_text)
+        self.proposer = NgramProposer(self.config) if self.config else None
+        self.max_model_len = max_model_len
+
+    def active(self, num_running: int) -> bool:
+        """Whether decodes get proposals at this batch size."""
+        if self.config is None:
+            return False
+        limit = self.config.disable_by_batch_size
+        return not limit or num_running < limit
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposals for seq's next tokens, within the step's budget left (its last token's included)."""
+        limit = min(self.config.num_speculative_tokens, budget - 1,
+                    seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq, limit)
+
+    def forget(self, seq_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
