@@ -5,9 +5,10 @@ both modes run every level, one after the other, in alternating order, each leve
 
 Per level and mode: output tok/s over the wall time; inter-token latency as a user sees it (per request,
 (last token time - first token time) / (tokens - 1): the tokens a step emits together arrive together), its median
-and p90 over requests; the median time to first token; the drafts' acceptance (accepted / proposed, accepted per
-request-step, per draft position); the on/off ratios; and the requests whose tokens differ between the modes
-(greedy: there should be none, exactness is part of the result).
+and p90 over requests; the median time to first token; the drafts' acceptance (accepted / proposed, tokens accepted per
+request-step and per draft, the share of drafts whose token i was kept); the on/off ratios; and the requests whose
+tokens differ between the modes (greedy: there should be none, exactness is part of the result). The engine stops
+drafting at large batches (speculative_config's disable_by_batch_size): --disable-by-batch-size 0 drafts at any.
 """
 from __future__ import annotations
 
@@ -56,26 +57,30 @@ class Timeline:
 
 @dataclass
 class SpecCounters:
+    drafts: int = 0        # proposals verified
     proposed: int = 0
     accepted: int = 0
-    by_position: list[int] = field(default_factory=list)
+    by_position: list[int] = field(default_factory=list)   # [i]: proposals whose token i was kept
 
     @classmethod
     def read(cls, engine: Engine) -> SpecCounters:
         counters = engine.scheduler.counters   # without speculation (or before it existed): zeros
-        return cls(getattr(counters, "spec_proposed_tokens", 0), getattr(counters, "spec_accepted_tokens", 0),
+        return cls(*(getattr(counters, f"spec_{name}", 0) for name in ("drafts", "proposed_tokens", "accepted_tokens")),
                    list(getattr(counters, "spec_accepted_by_position", [])))
 
     def __sub__(self, other: SpecCounters) -> SpecCounters:
         width = max(len(self.by_position), len(other.by_position))
         pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
-        return SpecCounters(self.proposed - other.proposed, self.accepted - other.accepted,
+        return SpecCounters(self.drafts - other.drafts, self.proposed - other.proposed, self.accepted - other.accepted,
                             [a - b for a, b in zip(pad(self.by_position), pad(other.by_position))])
 
 
 def speculative_config(args) -> str:
-    return json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                       "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max})
+    config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+    if args.disable_by_batch_size is not None:
+        config["disable_by_batch_size"] = args.disable_by_batch_size
+    return json.dumps(config)
 
 
 def build_engine(args, directory: str, dtype: str, mode: str, warm_up_requests: list[BenchRequest]) -> Engine:
@@ -130,10 +135,12 @@ def summarize(timelines: list[Timeline], seconds: float, spec: SpecCounters) -> 
             "itl_ms_p90": percentile_ms(itls, 90),
             "ttft_ms_median": percentile_ms([t.ttft for t in timelines if t.token_ids], 50),
             "tokens_per_step": round(decode_tokens / decode_steps, 3) if decode_steps else None,
-            "spec_proposed_tokens": spec.proposed, "spec_accepted_tokens": spec.accepted,
+            "spec_drafts": spec.drafts, "spec_proposed_tokens": spec.proposed, "spec_accepted_tokens": spec.accepted,
             "acceptance_rate": round(spec.accepted / spec.proposed, 4) if spec.proposed else None,
             "mean_accepted_per_step": round(spec.accepted / decode_steps, 3) if decode_steps else None,
-            "spec_accepted_by_position": spec.by_position}
+            "mean_accepted_per_draft": round(spec.accepted / spec.drafts, 3) if spec.drafts else None,
+            "spec_accepted_by_position": spec.by_position,
+            "acceptance_by_position": [round(n / spec.drafts, 4) for n in spec.by_position] if spec.drafts else []}
 
 
 def mismatches(off: list[Timeline], on: list[Timeline]) -> list[dict]:
@@ -184,6 +191,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts proposed per step at most")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
     parser.add_argument("--prompt-lookup-max", type=int, default=5, help="longest n-gram matched")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="no drafts while this many sequences or more run (0: never); default: the engine's")
     parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
     parser.add_argument("--seed", type=int, default=0, help="of the workload")
     add_model_args(parser)
