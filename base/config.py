@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from base.options import option
+from base.speculative import parse_speculative_config
 from protos import worker_pb2
 
 GiB = 1 << 30
@@ -69,6 +70,10 @@ class EngineConfig:
     structured_output_compile_workers: int = option(
         2, "grammars compiled at once, those past the timeout included (a compile cannot be stopped): at most this "
            "many cores compile")
+    speculative_config: str = option(
+        "", "speculative decoding, as a JSON object of vLLM's keys: {\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, "
+            "\"disable_by_batch_size\": 16} (base/speculative.py); empty: off")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +93,7 @@ class EngineConfig:
         if self.structured_output_compile_timeout <= 0 or self.structured_output_compile_workers < 1:
             raise ValueError("structured_output_compile_timeout must be positive and structured_output_compile_workers "
                              "at least 1")
+        parse_speculative_config(self.speculative_config)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -1,4 +1,9 @@
-"""Turns one StepRequest into one forward pass: packs tokens, builds attention metadata, samples."""
+"""Turns one StepRequest into one forward pass: packs tokens, builds attention metadata, samples.
+
+A sequence with proposed tokens (speculative decoding) is computed over its last token and the proposals, and
+sampled at each of those positions as if each were its next decode (seeded draws depend on the position only): it
+keeps the sampled tokens up to the first that differs from the proposal. With a proposal that is one token (prompt
+lookup's), that is exact rejection sampling: a proposal x is kept with probability p(x)."""
 from __future__ import annotations
 
 import time
@@ -36,6 +41,11 @@ class ScheduledChunk:
     seq: SequenceState
     start: int
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)   # its last num_drafts tokens: proposals to verify
+
+    @property
+    def num_sampled_rows(self) -> int:
+        return 1 + len(self.drafts) if self.samples else 0
 
     @property
     def end(self) -> int:
@@ -73,18 +83,28 @@ class ModelRunner:
             return result
         tokens, logprobs = self.run(chunks, {m.seq_id: m.bits for m in req.token_bitmasks})
         result.forward_seconds = self.forward_seconds
+        row = 0
         for chunk in chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-        sampling = [c for c in chunks if c.samples]
-        for chunk, token, logprob in zip(sampling, tokens, logprobs):
-            chunk.seq.token_ids.append(token)
-            entry = result.sampled.add(seq_id=chunk.seq.seq_id, token_id=token)
+            num_rows = chunk.num_sampled_rows
+            kept = verified(chunk.drafts, tokens[row:row + num_rows])
+            self.keep(chunk, kept, logprobs[row:row + len(kept)], result)
+            row += num_rows
+        return result
+
+    @staticmethod
+    def keep(chunk: ScheduledChunk, kept: list[int], logprobs: list, result: worker_pb2.StepResult) -> None:
+        """The chunk's sampled tokens join its sequence (its rejected proposals leave it) and the result."""
+        seq = chunk.seq
+        del seq.token_ids[len(seq.token_ids) - len(chunk.drafts):]
+        seq.num_computed_tokens = chunk.end - len(chunk.drafts) + max(0, len(kept) - 1)
+        for token, logprob in zip(kept, logprobs):
+            seq.token_ids.append(token)
+            entry = result.sampled.add(seq_id=seq.seq_id, token_id=token)
             if logprob is not None:
                 entry.logprob.CopyFrom(logprob)
-            if chunk.seq.prompt_logprobs is not None:   # the prefill is complete: they go out once
-                entry.prompt_logprobs.extend(chunk.seq.prompt_logprobs)
-                chunk.seq.prompt_logprobs = None
-        return result
+            if seq.prompt_logprobs is not None:   # the prefill is complete: they go out once
+                entry.prompt_logprobs.extend(seq.prompt_logprobs)
+                seq.prompt_logprobs = None
 
     def register(self, req: worker_pb2.StepRequest) -> list[ScheduledChunk]:
         chunks = []
@@ -102,7 +122,9 @@ class ModelRunner:
                 seq.block_ids = list(cached.new_block_ids)
             else:
                 seq.block_ids.extend(cached.new_block_ids)
-            chunks.append(ScheduledChunk(seq, cached.num_computed_tokens, cached.num_scheduled_tokens))
+            seq.token_ids.extend(cached.draft_token_ids)
+            chunks.append(ScheduledChunk(seq, cached.num_computed_tokens, cached.num_scheduled_tokens,
+                                         list(cached.draft_token_ids)))
         for chunk in chunks:
             if chunk.end > len(chunk.seq.token_ids):
                 raise ValueError(f"sequence {chunk.seq.seq_id}: scheduled past its known tokens")
@@ -119,8 +141,7 @@ class ModelRunner:
         if logits is None:
             self.forward_seconds = time.perf_counter() - started
             return [], []
-        rows = [SampleRow(c.seq.params, c.seq.token_ids, c.seq.num_prompt_tokens, c.seq.sample_index,
-                          bitmasks.get(c.seq.seq_id)) for c in chunks if c.samples]
+        rows = [row for c in chunks for row in sample_rows(c, bitmasks.get(c.seq.seq_id))]
         sampled = sample(logits, rows, self.generator, self.eos_token_ids)
         self.forward_seconds = time.perf_counter() - started
         return sampled
@@ -128,7 +149,7 @@ class ModelRunner:
     def replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A step of decodes only, each sampling, none gathering prompt logprobs, that a captured graph holds."""
         return (self.graphs is not None and all(c.num_tokens == 1 and c.samples and c.seq.prompt_logprobs is None
-                                                for c in chunks)
+                                                and not c.drafts for c in chunks)
                 and self.graphs.fits(len(chunks), chunks[-1].end))
 
     def graph_forward(self, chunks: list[ScheduledChunk]) -> Callable[[], torch.Tensor]:
@@ -144,7 +165,9 @@ class ModelRunner:
         batch = self.attention_batch(chunks, slots)
         lengths = torch.tensor([c.num_tokens for c in chunks])
         ends = lengths.cumsum(0) - 1
-        sample_rows = ends[[i for i, c in enumerate(chunks) if c.samples]].to(self.device)
+        sample_rows = torch.tensor([row for c, end in zip(chunks, ends.tolist())
+                                    for row in range(end - c.num_sampled_rows + 1, end + 1)],
+                                   dtype=torch.long).to(self.device)
 
         def forward() -> torch.Tensor | None:
             hidden = self.model(input_ids, positions, self.pool.layers, batch)
@@ -230,6 +253,25 @@ class ModelRunner:
             return torch_paged.prepare(to(tables), to(context_lens), query_lens, self.pool.block_size, window,
                                        masked=True)
         return self.backend.prepare(to(tables), to(context_lens), query_lens, self.pool.block_size, window or 0)
+
+
+def sample_rows(chunk: ScheduledChunk, bitmask: bytes | None) -> list[SampleRow]:
+    """What sampling sees at each position the chunk samples: its last, or with proposals, the last known token's
+    and each proposal's, each with the tokens before it as its history. A constrained sequence never proposes."""
+    seq = chunk.seq
+    known = len(seq.token_ids) - len(chunk.drafts)
+    histories = [seq.token_ids[:known + i] for i in range(len(chunk.drafts))] + [seq.token_ids]
+    return [SampleRow(seq.params, history, seq.num_prompt_tokens, seq.sample_index, bitmask)
+            for history in histories[-chunk.num_sampled_rows:]] if chunk.samples else []
+
+
+def verified(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The sampled tokens kept: each one whose position followed accepted proposals, up to and including the first
+    that differs from its proposal (or the one after the last proposal)."""
+    for i, draft in enumerate(drafts):
+        if sampled[i] != draft:
+            return sampled[:i + 1]
+    return sampled
 
 
 def wants_prompt_logprobs(new: worker_pb2.NewSequence) -> bool:

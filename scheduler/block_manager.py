@@ -207,6 +207,18 @@ class BlockManager:
         seq.num_blocks_sent = 0
         seq.kv_present_tokens = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back seq's blocks past the positions of its known tokens: they held rejected proposals' KV. The
+        worker is sent the whole table next (it may hold the ids given back)."""
+        keep = max(self.blocks_for(len(seq.token_ids)), seq.num_freed_blocks)
+        if keep >= len(seq.block_ids):
+            return
+        for block_id in reversed(seq.block_ids[keep:]):
+            self.release_block(block_id)
+        del seq.block_ids[keep:]
+        seq.block_table_replaced |= keep < seq.num_blocks_sent
+        seq.num_blocks_sent = min(seq.num_blocks_sent, keep)
+
     def free_blocks_before_window(self, seq: Sequence) -> None:
         """Give back seq's blocks wholly before the window of its next token, which no layer reads again. Their
         ids stay in seq.block_ids (positions keep their index) and the worker's table: the kernels skip them."""

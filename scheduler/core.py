@@ -10,20 +10,27 @@ holds a pending token, whose position the next step may already compute (the wor
 So the next step can be scheduled while this one runs (--async-scheduling); update() then fills in the sampled
 tokens, in step order, and ends the sequences they finish: a sequence that finished in step N costs at most one
 step of compute more, and its token from that step is never emitted.
+
+With speculative decoding (--speculative-config), a decode may carry proposed tokens after its last one: they are
+scheduled tokens like any other (budget, blocks), the worker keeps those its model would have sampled, and update()
+rolls the sequence back to what was kept (rejected positions' blocks given back, never hashed). Such a sequence
+waits for its result instead of running ahead: how many tokens it gains is not known before.
 """
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
+from base.speculative import SpeculativeConfig, parse_speculative_config
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
 from scheduler.grammar_masks import StructuredOutputManager
+from scheduler.ngram_proposer import NgramProposer
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
 from scheduler.sequence import Request, Sequence, SequenceStatus
@@ -33,11 +40,13 @@ from scheduler.stopping import finish_reason
 
 @dataclass
 class ScheduledChunk:
-    """One sequence's share of a step: num_tokens from position start on; samples: it ends at the last token."""
+    """One sequence's share of a step: num_tokens from position start on; samples: it ends at the last token (or at
+its last proposed one: num_drafts of its tokens are proposals)."""
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    num_drafts: int = 0
 
 
 class Scheduler:
@@ -68,6 +77,9 @@ class Scheduler:
                                                   config.structured_output_compile_timeout)
         self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
+        self.speculative: SpeculativeConfig | None = parse_speculative_config(config.speculative_config)
+        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        self.drafts: dict[str, list[int]] = {}   # the step being scheduled: proposals by seq_id
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -118,7 +130,7 @@ class Scheduler:
 
     # --- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> worker_pb2.StepRequest | None:
-        self.scheduled = {}
+        self.scheduled, self.drafts = {}, {}
         self.budget = self.config.max_num_batched_tokens
         if self.compiling:
             self.queue_compiled()
@@ -138,6 +150,7 @@ class Scheduler:
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
             if seq.num_computed_tokens + num_tokens == seq.num_tokens and not self.structured.mask_ready(seq.seq_id):
                 continue   # its grammar's mask for the token it would sample is still being filled
+            num_tokens += self.speculate(seq, num_tokens)
             if not self.make_room(seq, num_tokens):
                 preempted = True
                 continue
@@ -153,7 +166,42 @@ class Scheduler:
         needs the pending one."""
         if seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens:
             return False
+        if seq.num_pending_tokens > 1 or self.speculating():   # proposals in flight, or to come once it is known
+            return False
         return seq.num_tokens < self.max_model_len and not self.structured.constrains(seq.seq_id)
+
+    # --- speculative decoding ------------------------------------------------------------------------
+    def speculating(self) -> bool:
+        """Whether decodes get proposals now: speculation is on and the batch is small enough that verifying them
+        costs less than the steps they save (disable_by_batch_size)."""
+        limit = self.speculative.disable_by_batch_size if self.speculative else 0
+        return self.speculative is not None and (not limit or len(self.running) < limit)
+
+    def speculate(self, seq: Sequence, num_tokens: int) -> int:
+        """Propose tokens after seq's last one, if it decodes now and the pool holds them without preempting
+        anyone; how many it got."""
+        if num_tokens != 1 or seq.num_pending_tokens or seq.seq_id not in self.worker_seqs or not self.speculating():
+            return 0
+        limit = min(self.speculative.num_speculative_tokens, self.budget - 1,
+                    seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        if limit < 1 or self.structured.constrains(seq.seq_id):
+            return 0
+        drafts = self.proposer.propose(seq, limit)
+        self.block_manager.free_blocks_before_window(seq)
+        if not drafts or not self.block_manager.append_slots(seq, 1 + len(drafts)):
+            return 0
+        self.drafts[seq.seq_id] = drafts
+        return len(drafts)
+
+    def settle(self, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """seq's verified proposals are in: it keeps num_accepted of them (and the token sampled after), the rest
+        are rolled back; a sequence preempted meanwhile just knows its tokens."""
+        self.counters.count_verified(chunk.num_drafts, num_accepted)
+        seq = chunk.seq
+        seq.num_pending_tokens = 0
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            self.block_manager.trim(seq)
 
     def may_sample(self, seq: Sequence) -> bool:
         """Whether seq's next token may be sampled now: none is pending and its grammar's mask is filled."""
@@ -238,6 +286,8 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
         if seq.seq_id in self.worker_seqs:
             self.worker_seqs.discard(seq.seq_id)
             self.freed_seq_ids.append(seq.seq_id)
@@ -258,7 +308,8 @@ class Scheduler:
                 replaced, seq.block_table_replaced = seq.block_table_replaced, False
                 step.cached_seqs.add(seq_id=seq.seq_id, replaces_block_table=replaced,
                                      new_block_ids=seq.block_ids[0 if replaced else seq.num_blocks_sent:],
-                                     num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_tokens)
+                                     num_computed_tokens=seq.num_computed_tokens, num_scheduled_tokens=num_tokens,
+                                     draft_token_ids=self.drafts.get(seq.seq_id, ()))
             else:
                 step.new_seqs.add(seq_id=seq.seq_id, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
                                   block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
@@ -266,17 +317,19 @@ class Scheduler:
                                   sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens)
                 self.worker_seqs.add(seq.seq_id)
             seq.num_blocks_sent = len(seq.block_ids)
-        self.in_flight[step.step_id] = [self.computed(seq, num_tokens) for seq, num_tokens in self.scheduled.values()]
-        self.scheduled = {}
+        self.in_flight[step.step_id] = [self.computed(seq, num_tokens, len(self.drafts.get(seq.seq_id, ())))
+                                         for seq, num_tokens in self.scheduled.values()]
+        self.scheduled, self.drafts = {}, {}
         return step
 
     @staticmethod
-    def computed(seq: Sequence, num_tokens: int) -> ScheduledChunk:
-        """Count the step's tokens of seq as computed; if they reach its last token, the one sampled is pending."""
+    def computed(seq: Sequence, num_tokens: int, num_drafts: int) -> ScheduledChunk:
+        """Count the step's tokens of seq as computed; if they reach its last token, the one sampled is pending
+        (with proposals: every proposed position and the one after, until the step says how many it kept)."""
         chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_tokens,
-                               seq.num_computed_tokens + num_tokens == seq.num_tokens)
+                               seq.num_computed_tokens + num_tokens - num_drafts == seq.num_tokens, num_drafts)
         seq.num_computed_tokens += num_tokens
-        seq.num_pending_tokens += chunk.samples
+        seq.num_pending_tokens += chunk.samples + num_drafts
         return chunk
 
     def sampling_seq_ids(self, step_id: int) -> list[str]:
@@ -286,7 +339,8 @@ class Scheduler:
     # --- results -------------------------------------------------------------------------------------
     def update(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> list[RequestOutput]:
         """A step's result, in the order the steps were built: its sampled tokens join their sequences."""
-        for chunk in self.in_flight.pop(step.step_id, []):
+        chunks = self.in_flight.pop(step.step_id, [])
+        for chunk in chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:   # aborted or preempted while the step ran
                 continue
@@ -294,9 +348,32 @@ class Scheduler:
                 self.counters.prompt_tokens += min(chunk.num_tokens, seq.num_prompt_tokens - chunk.start)
                 self.counters.chunked_prefills += not chunk.samples
             self.block_manager.register_full_blocks(seq)
-        outputs = [self.append_token(sampled) for sampled in result.sampled]
+        outputs = [self.append_tokens(list(entries))
+                   for _, entries in itertools.groupby(result.sampled, key=lambda sampled: sampled.seq_id)]
+        gained = Counter(sampled.seq_id for sampled in result.sampled)
+        for chunk in chunks:
+            if chunk.num_drafts:
+                self.settle(chunk, max(0, gained[chunk.seq.seq_id] - 1))
         outputs, self.failed = self.failed + outputs, []
         return [out for out in outputs if out is not None]
+
+    def append_tokens(self, entries: list[worker_pb2.SampledToken]) -> RequestOutput | None:
+        """A sequence's tokens from one step (several where it verified proposals) as one output, up to the first
+        that finishes it."""
+        output = None
+        for sampled in entries:
+            new = self.append_token(sampled)
+            if new is None:
+                break
+            if output is None:
+                output = new
+            else:
+                output.new_token_ids += new.new_token_ids
+                output.new_logprobs += new.new_logprobs
+                output.finish_reason, output.stop_token_id = new.finish_reason, new.stop_token_id
+            if new.finish_reason:
+                break
+        return output
 
     def append_token(self, sampled: worker_pb2.SampledToken) -> RequestOutput | None:
         """The pending token of a running sequence, or of one preempted after its step was built (its recompute

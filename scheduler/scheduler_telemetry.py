@@ -49,6 +49,20 @@ class StatsCollector:
         yield self.counter("ferry:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
         yield self.counter("ferry:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens_total)
         yield self.counter("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield from self.spec_decode_counters(s)
+
+    def spec_decode_counters(self, s: scheduler_pb2.StatsResponse) -> Iterator[CounterMetricFamily]:
+        yield self.counter("ferry:spec_decode_num_drafts", "Speculative proposals verified.", s.spec_decode_num_drafts)
+        yield self.counter("ferry:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.",
+                           s.spec_decode_num_draft_tokens)
+        yield self.counter("ferry:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                           s.spec_decode_num_accepted_tokens)
+        family = CounterMetricFamily("ferry:spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposals whose token at this position was accepted.",
+                                     labels=[*self.labels[0], "position"])
+        for position, accepted in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            family.add_metric([*self.labels[1], str(position)], accepted)
+        yield family
 
     def load_gauges(self, s: scheduler_pb2.StatsResponse) -> Iterator[GaugeMetricFamily]:
         for prefix in LOAD_GAUGE_PREFIXES:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from protos import scheduler_pb2
@@ -17,6 +17,19 @@ class StepCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
+    spec_drafts: int = 0            # speculative proposals verified
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: list[int] = field(default_factory=list)   # [i]: proposals whose token i was kept
+
+    def count_verified(self, num_proposed: int, num_accepted: int) -> None:
+        self.spec_drafts += 1
+        self.spec_proposed_tokens += num_proposed
+        self.spec_accepted_tokens += num_accepted
+        missing = num_proposed - len(self.spec_accepted_by_position)
+        self.spec_accepted_by_position.extend([0] * max(0, missing))
+        for position in range(num_accepted):
+            self.spec_accepted_by_position[position] += 1
 
 
 class SchedulerState(Protocol):
@@ -39,7 +52,10 @@ def stats_response(scheduler: SchedulerState) -> scheduler_pb2.StatsResponse:
         waiting_tokens=queued_prefill_tokens(scheduler),
         running_tokens=sum(s.num_tokens for s in scheduler.running),
         prompt_tokens_total=counters.prompt_tokens, generation_tokens_total=counters.generation_tokens,
-        num_steps=counters.steps)
+        num_steps=counters.steps, spec_decode_num_drafts=counters.spec_drafts,
+        spec_decode_num_draft_tokens=counters.spec_proposed_tokens,
+        spec_decode_num_accepted_tokens=counters.spec_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=counters.spec_accepted_by_position)
 
 
 def queued_prefill_tokens(scheduler: SchedulerState) -> int:

@@ -1,0 +1,58 @@
+"""--speculative-config: vLLM's JSON keys, parsed and checked once.
+
+A method proposes up to num_speculative_tokens tokens after a sequence's last one; the target model computes them
+all in one step and keeps the longest run it would have sampled itself (scheduler/speculation.py). "ngram" looks
+the proposal up in the sequence's own tokens (prompt lookup). A model-based method (a draft model, EAGLE heads)
+would propose in the worker instead and hand its proposals back with the step's result; only ngram exists yet.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2          # the shortest suffix of the sequence looked up
+    prompt_lookup_max: int = 5          # the longest (tried first)
+    disable_by_batch_size: int = 16     # no proposals while this many sequences or more are running (0: never);
+    #                                     BENCHMARKS.md, speculative decoding: past it verifying costs more than it saves
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: {self.method!r} is not supported (supported: "
+                             f"{', '.join(METHODS)}; draft_model is not built yet)")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be at least 1, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError("speculative_config.disable_by_batch_size must be 0 or more")
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """The config a --speculative-config JSON object gives; None for an empty one (speculation off)."""
+    if not text:
+        return None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"speculative_config is not JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError("speculative_config must be a JSON object")
+    known = {f.name: f.type for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown} (known: {sorted(known)})")
+    if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+        values["prompt_lookup_min"] = min(values["prompt_lookup_max"], SpeculativeConfig.prompt_lookup_min)
+    for name, value in values.items():
+        if name != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"speculative_config.{name} must be an integer, got {value!r}")
+    return SpeculativeConfig(**values)
