@@ -32,6 +32,8 @@ BENCHMARKS = {
                                           "parameters (tiny random models)"),
     "structured": Bench("benchmarks.engine.structured", "a decode step with every row under its own JSON schema "
                                                         "vs unconstrained; time to first token, cold and cached"),
+    "spec-decode": Bench("benchmarks.engine.spec_decode", "n-gram speculative decoding on vs off on copy-heavy "
+                                                          "prompts: tok/s, inter-token latency, acceptance, exactness"),
     "gguf-blocks": Bench("benchmarks.engine.gguf_blocks", "CPU decode steps with linears from a GGUF file's "
                                                           "quantized blocks vs fp32 weights"),
     "worker-start": Bench("benchmarks.engine.worker_start", "the time a CPU worker spends loading the default "
