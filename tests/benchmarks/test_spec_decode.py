@@ -2,17 +2,13 @@
 quotes, and a bench that runs speculation off and on over the same requests and reports whether their tokens match."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 from transformers import AutoTokenizer
 
-from base.config import EngineConfig
 from benchmarks.common import copy_workloads
 from benchmarks.engine import spec_decode
-
-SPECULATION_IN_ENGINE = "speculative_config" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 @pytest.mark.parametrize("name", list(copy_workloads.PROMPTS))
@@ -62,7 +58,6 @@ def test_a_timeline_counts_tokens_of_one_step_as_arriving_together():
     assert timeline.steps == 3 and timeline.first_step_tokens == 1
 
 
-@pytest.mark.skipif(not SPECULATION_IN_ENGINE, reason="EngineConfig has no speculative_config yet")
 def test_spec_decode_bench_runs_both_modes_at_each_level_with_the_same_outputs(tiny_llama_dir, capsys):
     assert spec_decode.main(["--model", str(tiny_llama_dir), "--dtype", "float32", "--batch-sizes", "1,2",
                              "--num-requests", "4", "--max-tokens", "8", "--json"]) == 0
