@@ -2,30 +2,35 @@
 
 A method proposes up to num_speculative_tokens tokens after a sequence's last one; the target model computes them
 all in one step and keeps the longest run it would have sampled itself (scheduler/speculation.py). "ngram" looks
-the proposal up in the sequence's own tokens (prompt lookup). A model-based method (a draft model, EAGLE heads)
-would propose in the worker instead and hand its proposals back with the step's result; only ngram exists yet.
+the proposal up in the sequence's own tokens (prompt lookup), in the scheduler. "draft_model" runs a smaller model
+with the same vocabulary in the worker (gpu_worker/draft_model.py), which hands its proposals back with the step's
+result; an EAGLE-style head would be a third method of that kind.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
+    model: str = ""                     # draft_model: its local directory (safetensors + config)
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2          # the shortest suffix of the sequence looked up
     prompt_lookup_max: int = 5          # the longest (tried first)
-    disable_by_batch_size: int = 16     # no proposals while this many sequences or more are running (0: never);
-    #                                     BENCHMARKS.md, speculative decoding: past it verifying costs more than it saves
+    # no proposals while this many sequences or more run (0: propose at any batch size); BENCHMARKS.md,
+    # speculative decoding: the batch past which verifying them costs more than the steps they save
+    disable_by_batch_size: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method: {self.method!r} is not supported (supported: "
-                             f"{', '.join(METHODS)}; draft_model is not built yet)")
+                             f"{', '.join(METHODS)})")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError("speculative_config.model: a draft_model needs one, and only a draft_model takes one")
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be at least 1, got "
                              f"{self.num_speculative_tokens}")
@@ -53,6 +58,10 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
         values["prompt_lookup_min"] = min(values["prompt_lookup_max"], SpeculativeConfig.prompt_lookup_min)
     for name, value in values.items():
-        if name != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+        if name in ("method", "model"):
+            if not isinstance(value, str):
+                raise ValueError(f"speculative_config.{name} must be a string, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"speculative_config.{name} must be an integer, got {value!r}")
     return SpeculativeConfig(**values)
+

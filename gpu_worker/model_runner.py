@@ -14,6 +14,7 @@ import torch
 
 from base.sampling_params import SamplingParams
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, DecodeRows
+from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.model import AttentionBatch
 from gpu_worker.sampling.sampler import SampleRow, prompt_token_logprobs, sample
@@ -66,6 +67,7 @@ class ModelRunner:
     eos_token_ids: tuple[int, ...] = ()     # what min_tokens holds back
     seqs: dict[str, SequenceState] = field(default_factory=dict)
     graphs: DecodeGraphs | None = None      # decode steps replayed from CUDA graphs (None: every step eager)
+    draft: DraftModel | None = None         # speculative decoding's draft model (it follows every step)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -77,19 +79,34 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         for copy in req.block_copies:
             self.pool.copy_block(copy.src, copy.dst)
+            if self.draft is not None:
+                self.draft.pool.copy_block(copy.src, copy.dst)
         chunks = self.register(req)
         result = worker_pb2.StepResult(step_id=req.step_id)
         if not chunks:
             return result
         tokens, logprobs = self.run(chunks, {m.seq_id: m.bits for m in req.token_bitmasks})
         result.forward_seconds = self.forward_seconds
-        row = 0
+        row, sampled = 0, []
         for chunk in chunks:
             num_rows = chunk.num_sampled_rows
             kept = verified(chunk.drafts, tokens[row:row + num_rows])
             self.keep(chunk, kept, logprobs[row:row + len(kept)], result)
             row += num_rows
+            if num_rows:
+                sampled.append(chunk.seq)
+        if self.draft is not None and req.num_proposals:
+            proposals = self.draft.propose(sampled, req.num_proposals, self.decode_batch)
+            result.proposals.extend(worker_pb2.Proposal(seq_id=seq_id, token_ids=tokens)
+                                    for seq_id, tokens in proposals.items())
         return result
+
+    def decode_batch(self, rows: list[tuple[SequenceState, int]]) -> AttentionBatch:
+        """One decode row per (sequence, position), for the draft model's proposals."""
+        slots = torch.tensor([self.slot_of(seq, position) for seq, position in rows], dtype=torch.long,
+                             device=self.device)
+        meta = self.metadata([ScheduledChunk(seq, position, 1) for seq, position in rows])
+        return AttentionBatch(self.backend, slots, [(slice(0, len(rows)), meta)])
 
     @staticmethod
     def keep(chunk: ScheduledChunk, kept: list[int], logprobs: list, result: worker_pb2.StepResult) -> None:
@@ -171,6 +188,8 @@ class ModelRunner:
 
         def forward() -> torch.Tensor | None:
             hidden = self.model(input_ids, positions, self.pool.layers, batch)
+            if self.draft is not None:
+                self.draft.follow(input_ids, positions, batch)
             self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
             return self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
         return forward

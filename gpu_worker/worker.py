@@ -11,7 +11,9 @@ from transformers import AutoConfig
 
 from gpu_worker.cpu import cpu_features, cpu_heap, cpu_linear, quantized_linears
 from gpu_worker.cuda import device_memory, warm_up
+from base.speculative import parse_speculative_config
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
+from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
 from gpu_worker.loading.weights import load_weights
@@ -120,12 +122,20 @@ class Worker:
 
         def make_runner(pool: KVPool) -> ModelRunner:
             return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos))
+        draft = self.load_draft(req, shape, max_model_len, dtype, device, model.layer_ops)
         kv_bytes = kv_cache_bytes(req, make_runner, shape, dtype, device, block_size, max_model_len)
-        pool = KVPool(shape, block_size, kv_bytes, dtype, device)
+        if draft is None:
+            pool = KVPool(shape, block_size, kv_bytes, dtype, device)
+        else:   # both pools hold the same blocks: the bytes are shared in that proportion
+            num_blocks = kv_bytes // (block_bytes(shape, block_size, dtype) + block_bytes(draft[1], block_size, dtype))
+            pool = KVPool.of_blocks(shape, block_size, num_blocks, dtype, device)
         self.runner = make_runner(pool)
+        if draft is not None:
+            draft_pool = KVPool.of_blocks(draft[1], block_size, pool.num_blocks, dtype, device)
+            self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len)
         if device.type == "cuda":
             warm_up.compile_kernels(self.runner, req.max_num_batched_tokens or 2048, max_model_len)
-        if device.type == "cuda" and not req.enforce_eager and capturable(model, backend):
+        if device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None:
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
                                               max_model_len, device)
             self.runner.graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()))
@@ -137,6 +147,26 @@ class Worker:
                                           eos_token_ids=eos, model_name=model_dir.name,
                                           model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape))
         return worker_pb2.InitResponse(model=model_info, device_info=info)
+
+    def load_draft(self, req: worker_pb2.InitRequest, target, max_model_len: int, dtype: torch.dtype,
+                   device: torch.device, layer_ops) -> tuple[torch.nn.Module, object] | None:
+        """The speculative config's draft model and its shape, checked against the target; None without one."""
+        config = parse_speculative_config(req.speculative_config)
+        if config is None or config.method != "draft_model":
+            return None
+        model_dir = resolve_model_dir(config.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        family = model_class(hf_config.model_type)
+        shape = family.shape_from_config(hf_config)
+        if shape.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has {shape.vocab_size} tokens, the "
+                             f"target's {target.vocab_size}: they must share one tokenizer")
+        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, None)
+        if model.attention_windows or model.attention_softcap:
+            raise ValueError("speculative_config.model: a draft model must attend to its whole context (no sliding "
+                             "window, no softcapped scores)")
+        model.layer_ops = layer_ops
+        return model, shape
 
     @staticmethod
     def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,

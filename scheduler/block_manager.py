@@ -207,10 +207,10 @@ class BlockManager:
         seq.num_blocks_sent = 0
         seq.kv_present_tokens = 0
 
-    def trim(self, seq: Sequence) -> None:
-        """Give back seq's blocks past the positions of its known tokens: they held rejected proposals' KV. The
-        worker is sent the whole table next (it may hold the ids given back)."""
-        keep = max(self.blocks_for(len(seq.token_ids)), seq.num_freed_blocks)
+    def trim(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Give back seq's blocks past the positions of its known tokens (and lookahead more): they held rejected
+        proposals' KV. The worker is sent the whole table next (it may hold the ids given back)."""
+        keep = max(self.blocks_for(len(seq.token_ids) + lookahead), seq.num_freed_blocks)
         if keep >= len(seq.block_ids):
             return
         for block_id in reversed(seq.block_ids[keep:]):

@@ -78,6 +78,7 @@ class Scheduler:
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
         self.speculation = Speculation(config.speculative_config, model.max_model_len)
         self.drafts: dict[str, list[int]] = {}   # the step being scheduled: proposals by seq_id
+        self.lookahead = 0                        # the step being scheduled: KV slots reserved for a draft model
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -130,6 +131,8 @@ class Scheduler:
     def schedule(self) -> worker_pb2.StepRequest | None:
         self.scheduled, self.drafts = {}, {}
         self.budget = self.config.max_num_batched_tokens
+        # slots past a sampling sequence's tokens for a draft model's proposals, if it proposes after this step
+        self.lookahead = self.speculation.lookahead if self.speculation.active(len(self.running)) else 0
         if self.compiling:
             self.queue_compiled()
         if self.structured.rows:
@@ -148,8 +151,9 @@ class Scheduler:
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
             if seq.num_computed_tokens + num_tokens == seq.num_tokens and not self.structured.mask_ready(seq.seq_id):
                 continue   # its grammar's mask for the token it would sample is still being filled
+            samples = seq.num_computed_tokens + num_tokens == seq.num_tokens
             num_tokens += self.speculate(seq, num_tokens)
-            if not self.make_room(seq, num_tokens):
+            if not self.make_room(seq, num_tokens + self.lookahead * samples):
                 preempted = True
                 continue
             self.scheduled[seq.seq_id] = (seq, num_tokens)
@@ -177,7 +181,7 @@ class Scheduler:
             return 0
         drafts = self.speculation.propose(seq, self.budget)
         self.block_manager.free_blocks_before_window(seq)
-        if not drafts or not self.block_manager.append_slots(seq, 1 + len(drafts)):
+        if not drafts or not self.block_manager.append_slots(seq, 1 + len(drafts) + self.lookahead):
             return 0
         self.drafts[seq.seq_id] = drafts
         return len(drafts)
@@ -190,7 +194,7 @@ class Scheduler:
         seq.num_pending_tokens = 0
         if seq.status is SequenceStatus.RUNNING:
             seq.num_computed_tokens = len(seq.token_ids) - 1
-            self.block_manager.trim(seq)
+            self.block_manager.trim(seq, self.speculation.lookahead)
 
     def may_sample(self, seq: Sequence) -> bool:
         """Whether seq's next token may be sampled now: none is pending and its grammar's mask is filled."""
@@ -239,7 +243,8 @@ class Scheduler:
                 break
             hits = self.block_manager.match_prefix(seq)
             num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
-            if not self.block_manager.allocate(seq, hits, num_tokens):
+            samples = len(hits) * self.block_size + num_tokens == seq.num_tokens
+            if not self.block_manager.allocate(seq, hits, num_tokens + self.lookahead * samples):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -275,6 +280,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.proposed_token_ids = []
         self.speculation.forget(seq.seq_id)
         if seq.seq_id in self.worker_seqs:
             self.worker_seqs.discard(seq.seq_id)
@@ -285,7 +291,8 @@ class Scheduler:
         if not self.scheduled and not self.freed_seq_ids and not copies and not self.failed:
             return None
         self.counters.steps += 1
-        step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps)
+        step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps,
+                                      num_proposals=self.lookahead)
         step.block_copies.extend(worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies)
         self.freed_seq_ids, self.block_manager.pending_copies = [], []
         step.token_bitmasks.extend(self.structured.bitmasks(
@@ -338,12 +345,21 @@ class Scheduler:
             self.block_manager.register_full_blocks(seq)
         outputs = [self.append_tokens(list(entries))
                    for _, entries in itertools.groupby(result.sampled, key=lambda sampled: sampled.seq_id)]
+        self.take_proposals(result.proposals)
         gained = Counter(sampled.seq_id for sampled in result.sampled)
         for chunk in chunks:
             if chunk.num_drafts:
                 self.settle(chunk, max(0, gained[chunk.seq.seq_id] - 1))
         outputs, self.failed = self.failed + outputs, []
         return [out for out in outputs if out is not None]
+
+    def take_proposals(self, proposals) -> None:
+        """A draft model's proposals, for the next step of the sequences still running (they follow the tokens
+        this step gave them)."""
+        for proposal in proposals:
+            seq = self.sequence(proposal.seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.proposed_token_ids = list(proposal.token_ids)
 
     def append_tokens(self, entries: list[worker_pb2.SampledToken]) -> RequestOutput | None:
         """A sequence's tokens from one step (several where it verified proposals) as one output, up to the first
@@ -371,6 +387,7 @@ class Scheduler:
             return None
         request = self.requests[seq.request_id]
         seq.token_ids.append(sampled.token_id)
+        seq.proposed_token_ids = []   # proposed after the tokens before this one
         seq.num_pending_tokens -= 1
         self.counters.generation_tokens += 1
         output = RequestOutput(seq.request_id, seq.index, [sampled.token_id],

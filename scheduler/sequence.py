@@ -34,6 +34,7 @@ class Sequence:
     num_freed_blocks: int = 0                      # leading blocks given back: wholly before the sliding window
     num_preemptions: int = 0
     kv_present_tokens: int = 0                     # a forked sample: its prompt's KV is shared, never rewritten
+    proposed_token_ids: list[int] = field(default_factory=list)   # a draft model's, after its current tokens
     num_pending_tokens: int = 0                    # positions a step in flight samples or verifies, not yet known
 
     @property

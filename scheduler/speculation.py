@@ -13,8 +13,14 @@ from scheduler.sequence import Sequence
 class Speculation:
     def __init__(self, config_text: str, max_model_len: int):
         self.config: SpeculativeConfig | None = parse_speculative_config(config_text)
-        self.proposer = NgramProposer(self.config) if self.config else None
+        self.in_worker = self.config is not None and self.config.method == "draft_model"
+        self.proposer = NgramProposer(self.config) if self.config and not self.in_worker else None
         self.max_model_len = max_model_len
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a sampling sequence needs past this step's tokens: where a draft model writes its proposals."""
+        return self.config.num_speculative_tokens if self.in_worker else 0
 
     def active(self, num_running: int) -> bool:
         """Whether decodes get proposals at this batch size."""
@@ -27,6 +33,9 @@ class Speculation:
         """Proposals for seq's next tokens, within the step's budget left (its last token's included)."""
         limit = min(self.config.num_speculative_tokens, budget - 1,
                     seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+        if self.in_worker:
+            proposed, seq.proposed_token_ids = seq.proposed_token_ids, []
+            return proposed[:max(0, limit)]
         return self.proposer.propose(seq, limit)
 
     def forget(self, seq_id: str) -> None:

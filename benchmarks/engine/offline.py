@@ -22,6 +22,7 @@ MODES = {
     "contiguous": {"kv_layout": "contiguous", "max_model_len": 2048},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "eager": {"enforce_eager": True},
+    "ngram": {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'},
 }
 
 
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> int:
     add_workload_args(parser)
     parser.add_argument("--modes", default="continuous,hf",
                         help="comma list of continuous, static, contiguous, no-prefix-cache, eager (no CUDA "
-                             "graphs), hf")
+                             "graphs), ngram (prompt-lookup speculation at every batch size), hf")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
     parser.add_argument("--hf-batch-size", type=int, default=16)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ferry import SamplingParams
-from tests.conftest import transformers_greedy
+from tests.conftest import build_tiny_llama, transformers_greedy
 from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 
 __all__ = ["hf_model"]   # the shared fixture
@@ -144,3 +144,50 @@ def test_the_worker_is_sent_only_the_table_after_rolled_back_blocks(tiny_llama_d
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine.scheduler.counters.spec_proposed_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def other_tiny_llama_dir(tmp_path_factory):
+    """A second random model of the same vocabulary: a draft whose proposals are mostly rejected."""
+    return build_tiny_llama(tmp_path_factory.mktemp("other-tiny-llama"), seed=1)
+
+
+def draft_config(model_dir) -> str:
+    return json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
+                       "disable_by_batch_size": 0})
+
+
+@pytest.mark.parametrize("draft", ["itself", "another model"])
+def test_a_draft_models_greedy_output_is_transformers_token_for_token(tiny_llama_dir, other_tiny_llama_dir,
+                                                                       hf_model, prompts, draft):
+    draft_dir = tiny_llama_dir if draft == "itself" else other_tiny_llama_dir
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = tiny_engine(tiny_llama_dir, speculative_config=draft_config(draft_dir))
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == transformers_greedy(hf_model, prompts, MAX_TOKENS)
+    counters = engine.scheduler.counters
+    rate = counters.spec_accepted_tokens / counters.spec_proposed_tokens
+    assert rate > 0.95 if draft == "itself" else rate < 0.5, counters
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+def test_a_draft_model_keeps_seeded_samples_under_preemption(tiny_llama_dir, prompts):
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5, n=2, max_tokens=MAX_TOKENS, ignore_eos=True)
+    overrides = {"kv_cache_memory": kv_bytes_for(None, 40), "max_model_len": 96}
+    plain = tiny_engine(tiny_llama_dir, **overrides).generate(prompts, params)
+    engine = tiny_engine(tiny_llama_dir, speculative_config=draft_config(tiny_llama_dir),
+                         kv_cache_memory=2 * kv_bytes_for(None, 40), max_model_len=96)
+    assert engine.info.num_blocks == 40   # the draft's pool takes its share of the bytes
+    speculated = engine.generate(prompts, params)
+    assert [s.token_ids for r in speculated for s in r.samples] == [s.token_ids for r in plain for s in r.samples]
+    assert engine.stats().num_preemptions > 0 and engine.scheduler.counters.spec_accepted_tokens > 100
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_engine(tiny_llama_dir, speculative_config=draft_config(tmp_path))
