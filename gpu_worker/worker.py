@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from base.speculative import parse_speculative_config
 from gpu_worker.cpu import cpu_features, cpu_heap, cpu_linear, quantized_linears
 from gpu_worker.cuda import device_memory, warm_up
-from base.speculative import parse_speculative_config
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
