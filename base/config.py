@@ -73,7 +73,8 @@ class EngineConfig:
     speculative_config: str = option(
         "", "speculative decoding, as a JSON object of vLLM's keys: {\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, "
-            "\"disable_by_batch_size\": 16} (base/speculative.py); empty: off")
+            "\"disable_by_batch_size\": null} or {\"method\": \"draft_model\", \"model\": DIR, "
+            "\"num_speculative_tokens\": 4} (base/speculative.py); empty: off")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -21,9 +21,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2          # the shortest suffix of the sequence looked up
     prompt_lookup_max: int = 5          # the longest (tried first)
-    # no proposals while this many sequences or more run (0: propose at any batch size); BENCHMARKS.md,
-    # speculative decoding: the batch past which verifying them costs more than the steps they save
-    disable_by_batch_size: int = 16
+    # no proposals while this many sequences or more run, and proposals below it; None (the default): proposals
+    # where this scheduler's measurements say they pay (scheduler/speculation_payoff.py)
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -37,8 +37,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.disable_by_batch_size < 0:
-            raise ValueError("speculative_config.disable_by_batch_size must be 0 or more")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config.disable_by_batch_size must be at least 1 (or null: measured)")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -61,7 +61,8 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         if name in ("method", "model"):
             if not isinstance(value, str):
                 raise ValueError(f"speculative_config.{name} must be a string, got {value!r}")
-        elif not isinstance(value, int) or isinstance(value, bool):
+        elif (not isinstance(value, int) or isinstance(value, bool)) and not (
+                name == "disable_by_batch_size" and value is None):
             raise ValueError(f"speculative_config.{name} must be an integer, got {value!r}")
     return SpeculativeConfig(**values)
 

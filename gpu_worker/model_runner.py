@@ -96,9 +96,11 @@ class ModelRunner:
             if num_rows:
                 sampled.append(chunk.seq)
         if self.draft is not None and req.num_proposals:
+            started = time.perf_counter()
             proposals = self.draft.propose(sampled, req.num_proposals, self.decode_batch)
             result.proposals.extend(worker_pb2.Proposal(seq_id=seq_id, token_ids=tokens)
                                     for seq_id, tokens in proposals.items())
+            result.forward_seconds += time.perf_counter() - started
         return result
 
     def decode_batch(self, rows: list[tuple[SequenceState, int]]) -> AttentionBatch:

@@ -190,6 +190,7 @@ class Scheduler:
         """seq's verified proposals are in: it keeps num_accepted of them (and the token sampled after), the rest
         are rolled back; a sequence preempted meanwhile just knows its tokens."""
         self.counters.count_verified(chunk.num_drafts, num_accepted)
+        self.speculation.payoff.observe_verified(chunk.num_drafts, num_accepted)
         seq = chunk.seq
         seq.num_pending_tokens = 0
         if seq.status is SequenceStatus.RUNNING:
@@ -346,6 +347,8 @@ class Scheduler:
         outputs = [self.append_tokens(list(entries))
                    for _, entries in itertools.groupby(result.sampled, key=lambda sampled: sampled.seq_id)]
         self.take_proposals(result.proposals)
+        if chunks and all(chunk.num_tokens - chunk.num_drafts == 1 for chunk in chunks):
+            self.speculation.payoff.observe_step(sum(chunk.num_tokens for chunk in chunks), result.forward_seconds)
         gained = Counter(sampled.seq_id for sampled in result.sampled)
         for chunk in chunks:
             if chunk.num_drafts:

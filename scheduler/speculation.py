@@ -1,13 +1,15 @@
 """Which decodes get proposals, and how many: the speculative-decoding policy the scheduler asks each step.
 
 Proposals are scheduled tokens like any other: a decode with k of them takes 1 + k of the step's budget and KV
-slots for them. They stop at the request's max_tokens and the model's length, and the whole batch stops proposing
-while disable_by_batch_size or more sequences run (there, verifying costs more than the steps it saves)."""
+slots for them. They stop at the request's max_tokens and the model's length. The whole batch stops proposing at
+batch sizes where verifying them costs more than the steps they save, as measured (scheduler/speculation_payoff.py),
+or, where disable_by_batch_size is set, at that many sequences."""
 from __future__ import annotations
 
 from base.speculative import SpeculativeConfig, parse_speculative_config
 from scheduler.ngram_proposer import NgramProposer
 from scheduler.sequence import Sequence
+from scheduler.speculation_payoff import SpeculationPayoff
 
 
 class Speculation:
@@ -16,6 +18,7 @@ class Speculation:
         self.in_worker = self.config is not None and self.config.method == "draft_model"
         self.proposer = NgramProposer(self.config) if self.config and not self.in_worker else None
         self.max_model_len = max_model_len
+        self.payoff = SpeculationPayoff()
 
     @property
     def lookahead(self) -> int:
@@ -27,7 +30,7 @@ class Speculation:
         if self.config is None:
             return False
         limit = self.config.disable_by_batch_size
-        return not limit or num_running < limit
+        return self.payoff.pays_at(num_running) if limit is None else num_running < limit
 
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Proposals for seq's next tokens, within the step's budget left (its last token's included)."""

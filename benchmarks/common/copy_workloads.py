@@ -4,6 +4,8 @@ quote long spans of the prompt. Deterministic for a seed, tokenized with the mod
 copy: passages and Python functions assembled from templates ("repeat this text", "rename this variable");
 real-text: English prose of the Python language reference that ships with the interpreter (pydoc_data.topics, the
 same text for one Python version), sliced into passages by the seed.
+novel: the opposite case, open-ended requests (a story, an explanation) whose answers quote nothing: what proposals
+cost where they are seldom right, the measure of when speculation should step back.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ class CopyPrompt:
 
     @property
     def message(self) -> str:
-        return f"{self.instruction}\n\n{self.passage}"
+        return f"{self.instruction}\n\n{self.passage}" if self.passage else self.instruction
 
 
 def synthetic_passage(rng: random.Random, sentences: int) -> str:
@@ -132,7 +134,23 @@ def real_text_prompts(num_requests: int, seed: int = 0, words: int = 110) -> lis
     return prompts
 
 
-PROMPTS = {"copy": synthetic_prompts, "real-text": real_text_prompts}
+NOVEL = ("Write a short story about {name}, who works at {place}.",
+         "Explain to a child why {item} are useful, in a few paragraphs.",
+         "Describe a busy {day} at {place} from the point of view of {name}.",
+         "Write a letter from {name} to {name2} about the {item} that went missing.")
+
+
+def novel_prompts(num_requests: int, seed: int = 0) -> list[CopyPrompt]:
+    """Open-ended requests from templates, all different: nothing in them to quote."""
+    rng = random.Random(seed)
+    requests: dict[str, None] = {}
+    while len(requests) < num_requests:
+        requests[rng.choice(NOVEL).format(name=rng.choice(NAMES), name2=rng.choice(NAMES), place=rng.choice(PLACES),
+                                          item=rng.choice(ITEMS), day=rng.choice(DAYS))] = None
+    return [CopyPrompt(request, "") for request in requests]
+
+
+PROMPTS = {"copy": synthetic_prompts, "real-text": real_text_prompts, "novel": novel_prompts}
 
 
 def chat_requests(prompts: list[CopyPrompt], tokenizer, max_tokens: int) -> list[BenchRequest]:

@@ -11,8 +11,15 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from benchmarks.common.cli_args import (add_workload_args, bench_parser, concrete_dtype, load_requests, machine,
-                                        model_dir, report)
+from benchmarks.common.cli_args import (
+    add_workload_args,
+    bench_parser,
+    concrete_dtype,
+    load_requests,
+    machine,
+    model_dir,
+    report,
+)
 from benchmarks.common.workloads import BenchRequest
 from ferry import Engine, EngineConfig, SamplingParams
 
@@ -22,7 +29,7 @@ MODES = {
     "contiguous": {"kv_layout": "contiguous", "max_model_len": 2048},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "eager": {"enforce_eager": True},
-    "ngram": {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'},
+    "ngram": {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1024}'},
 }
 
 

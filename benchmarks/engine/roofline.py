@@ -13,8 +13,15 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import AutoConfig
 
-from benchmarks.common.cli_args import (add_batch_args, add_model_args, bench_parser, concrete_dtype, machine,
-                                        model_dir, report)
+from benchmarks.common.cli_args import (
+    add_batch_args,
+    add_model_args,
+    bench_parser,
+    concrete_dtype,
+    machine,
+    model_dir,
+    report,
+)
 from ferry import Engine, EngineConfig, SamplingParams
 from gpu_worker.model import ModelShape
 

@@ -7,8 +7,9 @@ Per level and mode: output tok/s over the wall time; inter-token latency as a us
 (last token time - first token time) / (tokens - 1): the tokens a step emits together arrive together), its median
 and p90 over requests; the median time to first token; the drafts' acceptance (accepted / proposed, tokens accepted per
 request-step and per draft, the share of drafts whose token i was kept); the on/off ratios; and the requests whose
-tokens differ between the modes (greedy: there should be none, exactness is part of the result). The engine stops
-drafting at large batches (speculative_config's disable_by_batch_size): --disable-by-batch-size 0 drafts at any.
+tokens differ between the modes (greedy: there should be none, exactness is part of the result). By default the
+engine drafts only at batch sizes where its measurements say drafts pay (scheduler/speculation_payoff.py);
+--disable-by-batch-size N drafts below N sequences and never at N or more (a large N: at any batch size).
 """
 from __future__ import annotations
 
@@ -183,7 +184,8 @@ def run(args, engines: dict[str, Engine], levels: list[tuple[int, list[BenchRequ
 def parse_args(argv: list[str]):
     parser = bench_parser("spec-decode", __doc__, json_output=True)
     parser.add_argument("--workload", default="copy", choices=tuple(copy_workloads.PROMPTS),
-                        help="copy: templated passages and functions; real-text: prose of the Python reference")
+                        help="copy: templated passages and functions; real-text: prose of the Python reference; "
+                             "novel: open-ended requests that quote nothing")
     parser.add_argument("--batch-sizes", default="1,4,32", type=lambda s: [int(b) for b in s.split(",")],
                         help="comma list of concurrency levels: requests kept in flight")
     parser.add_argument("--num-requests", type=int, default=0, help="per level; 0: max(2 x batch, 8)")
@@ -192,7 +194,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram matched")
     parser.add_argument("--prompt-lookup-max", type=int, default=5, help="longest n-gram matched")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
-                        help="no drafts while this many sequences or more run (0: never); default: the engine's")
+                        help="draft below this many running sequences, never at it or more; default: where the "
+                             "engine's measured payoff says drafts pay")
     parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
     parser.add_argument("--seed", type=int, default=0, help="of the workload")
     add_model_args(parser)

@@ -16,7 +16,7 @@ def test_copy_workloads_are_the_same_for_a_seed_and_differ_across_seeds(name):
     generate = copy_workloads.PROMPTS[name]
     assert generate(12, seed=3) == generate(12, seed=3)
     assert generate(12, seed=3) != generate(12, seed=4)
-    assert len({p.passage for p in generate(12, seed=3)}) == 12
+    assert len({p.message for p in generate(12, seed=3)}) == 12
 
 
 def test_synthetic_prompts_alternate_passages_to_repeat_and_functions_to_rename():

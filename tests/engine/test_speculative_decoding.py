@@ -16,7 +16,7 @@ from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_e
 __all__ = ["hf_model"]   # the shared fixture
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                    "disable_by_batch_size": 0})
+                    "disable_by_batch_size": 1024})
 MAX_TOKENS = 32
 
 
@@ -154,7 +154,7 @@ def other_tiny_llama_dir(tmp_path_factory):
 
 def draft_config(model_dir) -> str:
     return json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
-                       "disable_by_batch_size": 0})
+                       "disable_by_batch_size": 1024})
 
 
 @pytest.mark.parametrize("draft", ["itself", "another model"])

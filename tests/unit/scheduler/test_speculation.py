@@ -15,15 +15,16 @@ from protos.block_hash import hash_blocks
 from scheduler.core import Scheduler
 from scheduler.ngram_proposer import NgramProposer
 from scheduler.sequence import Sequence
+from scheduler.speculation_payoff import SpeculationPayoff
 from tests.unit.scheduler.test_scheduler import BLOCK_SIZE, make_scheduler
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                    "disable_by_batch_size": 0})
+                    "disable_by_batch_size": 1024})
 
 
-def next_token(tokens: list[int], num_prompt_tokens: int) -> int:
-    """Copy the prompt over and over, except every 5th position gets a token of its own."""
-    if len(tokens) % 5 == 0:
+def next_token(tokens: list[int], num_prompt_tokens: int, copies: bool = True) -> int:
+    """Copy the prompt over and over, except every 5th position gets a token of its own (every one if not copies)."""
+    if len(tokens) % 5 == 0 or not copies:
         return 3 + sum((i + 1) * t for i, t in enumerate(tokens)) % 97
     return tokens[len(tokens) - num_prompt_tokens]
 
@@ -34,6 +35,8 @@ class CopyingWorker:
     verifies proposals: keeps its own tokens up to the first that differs from the proposal."""
     seqs: dict[str, tuple[list[int], list[int], int]] = field(default_factory=dict)
     num_drafts: int = 0
+    copies: bool = True
+    seconds_per_step: tuple[float, float] = (0.0, 0.0)   # reported step time: fixed + per token * tokens
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         for seq_id in req.freed_seq_ids:
@@ -47,14 +50,16 @@ class CopyingWorker:
             blocks[:] = [*(() if cached.replaces_block_table else blocks), *cached.new_block_ids]
             scheduled.append((cached.seq_id, cached.num_computed_tokens, cached.num_scheduled_tokens,
                               list(cached.draft_token_ids)))
-        result = worker_pb2.StepResult(step_id=req.step_id)
+        fixed, per_token = self.seconds_per_step
+        result = worker_pb2.StepResult(step_id=req.step_id,
+                                       forward_seconds=fixed + per_token * sum(count for *_, count, _ in scheduled))
         for seq_id, start, count, drafts in scheduled:
             tokens, blocks, num_prompt_tokens = self.seqs[seq_id]
             assert start + count <= len(tokens) + len(drafts) and len(blocks) * BLOCK_SIZE >= start + count
             if start + count == len(tokens) + len(drafts):
                 self.num_drafts += len(drafts)
                 for draft in [*drafts, None]:
-                    token = next_token(tokens, num_prompt_tokens)
+                    token = next_token(tokens, num_prompt_tokens, self.copies)
                     tokens.append(token)
                     result.sampled.add(seq_id=seq_id, token_id=token)
                     if token != draft:
@@ -178,3 +183,33 @@ def test_the_latest_occurrence_of_the_longest_suffix_is_proposed():
 def test_a_bad_speculative_config_names_what_is_wrong(text, error):
     with pytest.raises(ValueError, match=error):
         parse_speculative_config(text)
+
+
+def test_the_payoff_break_even_batch_grows_with_acceptance_and_fixed_cost():
+    payoff = SpeculationPayoff()
+    assert payoff.break_even_batch() == float("inf")   # nothing measured yet: speculate
+    for i in range(64):
+        tokens = 8 + i % 24
+        payoff.observe_step(tokens, 0.02 + 0.0005 * tokens)   # fixed cost = 40 tokens' worth
+        payoff.observe_verified(4, 2)                         # half kept
+    assert payoff.break_even_batch() == pytest.approx(40.0)
+    assert payoff.pays_at(39) and not payoff.pays_at(41)
+    for _ in range(512):
+        payoff.observe_verified(4, 3)
+    assert payoff.break_even_batch() == pytest.approx(120.0)
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_proposals_stop_where_the_measured_payoff_says_they_cost_more(copies):
+    """6 sequences, steps of 10 ms + 1 ms a token: kept at 3 in 4, proposals pay (break-even 30 sequences); a
+    model that never takes them stops being offered them once that is measured."""
+    measured = json.dumps({**json.loads(NGRAM), "disable_by_batch_size": None})
+    scheduler = make_scheduler(max_model_len=256, num_blocks=256, speculative_config=measured)
+    worker = CopyingWorker(copies=copies, seconds_per_step=(0.01, 0.001))
+    add_requests(scheduler, max_tokens=120)
+    run(scheduler, worker)
+    proposed = scheduler.counters.spec_proposed_tokens
+    if copies:
+        assert proposed > 500 and scheduler.speculation.payoff.break_even_batch() > 6
+    else:
+        assert 64 <= proposed < 200 and scheduler.speculation.payoff.break_even_batch() < 1
