@@ -85,7 +85,10 @@ class ModelRunner:
         result = worker_pb2.StepResult(step_id=req.step_id)
         if not chunks:
             return result
-        tokens, logprobs = self.run(chunks, {m.seq_id: m.bits for m in req.token_bitmasks})
+        bitmasks: dict[str, list[bytes]] = {}
+        for mask in req.token_bitmasks:   # one per position it samples at
+            bitmasks.setdefault(mask.seq_id, []).append(mask.bits)
+        tokens, logprobs = self.run(chunks, bitmasks)
         result.forward_seconds = self.forward_seconds
         row, sampled = 0, []
         for chunk in chunks:
@@ -149,7 +152,7 @@ class ModelRunner:
                 raise ValueError(f"sequence {chunk.seq.seq_id}: scheduled past its known tokens")
         return chunks
 
-    def run(self, chunks: list[ScheduledChunk], bitmasks: dict[str, bytes]) -> tuple[list[int], list]:
+    def run(self, chunks: list[ScheduledChunk], bitmasks: dict[str, list[bytes]]) -> tuple[list[int], list]:
         """The step's forward, then sampling; forward_seconds covers both (on a GPU, sampling's ids coming back
         is what waits for the forward)."""
         # Decodes first, shortest context first, then prefill chunks: each attention group is a run of rows.
@@ -160,7 +163,7 @@ class ModelRunner:
         if logits is None:
             self.forward_seconds = time.perf_counter() - started
             return [], []
-        rows = [row for c in chunks for row in sample_rows(c, bitmasks.get(c.seq.seq_id))]
+        rows = [row for c in chunks for row in sample_rows(c, bitmasks.get(c.seq.seq_id, []))]
         sampled = sample(logits, rows, self.generator, self.eos_token_ids)
         self.forward_seconds = time.perf_counter() - started
         return sampled
@@ -276,14 +279,16 @@ class ModelRunner:
         return self.backend.prepare(to(tables), to(context_lens), query_lens, self.pool.block_size, window or 0)
 
 
-def sample_rows(chunk: ScheduledChunk, bitmask: bytes | None) -> list[SampleRow]:
+def sample_rows(chunk: ScheduledChunk, bitmasks: list[bytes]) -> list[SampleRow]:
     """What sampling sees at each position the chunk samples: its last, or with proposals, the last known token's
-    and each proposal's, each with the tokens before it as its history. A constrained sequence never proposes."""
+    and each proposal's, each with the tokens before it as its history and its own mask if constrained."""
+    if not chunk.samples:
+        return []
     seq = chunk.seq
     known = len(seq.token_ids) - len(chunk.drafts)
     histories = [seq.token_ids[:known + i] for i in range(len(chunk.drafts))] + [seq.token_ids]
-    return [SampleRow(seq.params, history, seq.num_prompt_tokens, seq.sample_index, bitmask)
-            for history in histories[-chunk.num_sampled_rows:]] if chunk.samples else []
+    return [SampleRow(seq.params, history, seq.num_prompt_tokens, seq.sample_index,
+                      bitmasks[i] if i < len(bitmasks) else None) for i, history in enumerate(histories)]
 
 
 def verified(drafts: list[int], sampled: list[int]) -> list[int]:

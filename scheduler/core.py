@@ -28,6 +28,7 @@ from base.sampling_params import SamplingParams
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
+from scheduler.grammar_drafts import checked_proposals
 from scheduler.grammar_masks import StructuredOutputManager
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
@@ -78,6 +79,7 @@ class Scheduler:
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
         self.speculation = Speculation(config.speculative_config, model.max_model_len)
         self.drafts: dict[str, list[int]] = {}   # the step being scheduled: proposals by seq_id
+        self.draft_masks: dict[str, list] = {}    # and the masks of the constrained ones' sampled positions
         self.lookahead = 0                        # the step being scheduled: KV slots reserved for a draft model
 
     # --- requests ------------------------------------------------------------------------------------
@@ -129,7 +131,7 @@ class Scheduler:
 
     # --- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> worker_pb2.StepRequest | None:
-        self.scheduled, self.drafts = {}, {}
+        self.scheduled, self.drafts, self.draft_masks = {}, {}, {}
         self.budget = self.config.max_num_batched_tokens
         # slots past a sampling sequence's tokens for a draft model's proposals, if it proposes after this step
         self.lookahead = self.speculation.lookahead if self.speculation.active(len(self.running)) else 0
@@ -177,11 +179,15 @@ class Scheduler:
         """Propose tokens after seq's last one, if it decodes now and the pool holds them without preempting
         anyone; how many it got."""
         if (num_tokens != 1 or seq.num_pending_tokens or seq.seq_id not in self.worker_seqs
-                or not self.speculation.active(len(self.running)) or self.structured.constrains(seq.seq_id)):
+                or not self.speculation.active(len(self.running))):
             return 0
         drafts = self.speculation.propose(seq, self.budget)
+        if drafts and self.structured.constrains(seq.seq_id):
+            drafts, self.draft_masks[seq.seq_id] = checked_proposals(self.structured, seq.seq_id, drafts)
         self.block_manager.free_blocks_before_window(seq)
         if not drafts or not self.block_manager.append_slots(seq, 1 + len(drafts) + self.lookahead):
+            if seq.seq_id in self.draft_masks:
+                self.draft_masks[seq.seq_id] = self.draft_masks[seq.seq_id][:1]   # its one sampled position's
             return 0
         self.drafts[seq.seq_id] = drafts
         return len(drafts)
@@ -296,9 +302,7 @@ class Scheduler:
                                       num_proposals=self.lookahead)
         step.block_copies.extend(worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies)
         self.freed_seq_ids, self.block_manager.pending_copies = [], []
-        step.token_bitmasks.extend(self.structured.bitmasks(
-            [s.seq_id for s, n in self.scheduled.values()
-             if self.structured.constrains(s.seq_id) and s.num_computed_tokens + n == s.num_tokens]))
+        step.token_bitmasks.extend(self.constrained_bitmasks())
         for seq, num_tokens in self.scheduled.values():
             if seq.seq_id in self.worker_seqs:
                 replaced, seq.block_table_replaced = seq.block_table_replaced, False
@@ -315,8 +319,21 @@ class Scheduler:
             seq.num_blocks_sent = len(seq.block_ids)
         self.in_flight[step.step_id] = [self.computed(seq, num_tokens, len(self.drafts.get(seq.seq_id, ())))
                                          for seq, num_tokens in self.scheduled.values()]
-        self.scheduled, self.drafts = {}, {}
+        self.scheduled, self.drafts, self.draft_masks = {}, {}, {}
         return step
+
+    def constrained_bitmasks(self) -> list[worker_pb2.TokenBitmask]:
+        """The masks of the constrained sequences that sample in the step being built: one, or one per position
+        where it verifies proposals (the grammar checked them: scheduler/grammar_drafts.py)."""
+        sampling = [seq.seq_id for seq, n in self.scheduled.values() if self.structured.constrains(seq.seq_id)
+                    and seq.num_computed_tokens + n - len(self.drafts.get(seq.seq_id, ())) == seq.num_tokens]
+        entries = self.structured.bitmasks([seq_id for seq_id in sampling if seq_id not in self.draft_masks])
+        for seq_id in sampling:
+            if seq_id in self.draft_masks:
+                self.structured.rows[seq_id].mask = None   # this token's: the next needs the tokens kept now
+                entries.extend(worker_pb2.TokenBitmask(seq_id=seq_id, bits=mask.tobytes())
+                               for mask in self.draft_masks[seq_id])
+        return entries
 
     @staticmethod
     def computed(seq: Sequence, num_tokens: int, num_drafts: int) -> ScheduledChunk:
@@ -380,6 +397,8 @@ class Scheduler:
                 output.finish_reason, output.stop_token_id = new.finish_reason, new.stop_token_id
             if new.finish_reason:
                 break
+        if output is not None and not output.finish_reason and self.structured.constrains(entries[0].seq_id):
+            self.structured.accept(entries[0].seq_id, output.new_token_ids)   # all of them in one task
         return output
 
     def append_token(self, sampled: worker_pb2.SampledToken) -> RequestOutput | None:
@@ -406,8 +425,6 @@ class Scheduler:
                                                                    self.max_model_len, grammar_done)
         if output.finish_reason:
             self.finish(seq)
-        elif self.structured.constrains(seq.seq_id):
-            self.structured.accept(seq.seq_id, [sampled.token_id])
         return output
 
     def fork(self, request: Request, first: Sequence) -> None:

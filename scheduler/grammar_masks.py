@@ -255,24 +255,29 @@ class StructuredOutputManager:
 
     def bitmasks(self, seq_ids: list[str]) -> list[worker_pb2.TokenBitmask]:
         """The allowed next tokens of each sequence, as the worker applies them (each one's mask is ready)."""
-        if not seq_ids:
-            return []
+        entries = []
+        for seq_id in seq_ids:
+            row = self.rows[seq_id]
+            mask = self.allowed(row, row.mask, row.bad_words)
+            row.mask = None   # this token's: the next one needs the token sampled now
+            entries.append(worker_pb2.TokenBitmask(seq_id=seq_id, bits=mask.tobytes()))
+        return entries
+
+    def allowed(self, row: ConstrainedRow, grammar_mask: Any, bad_words: BadWords | None) -> Any:
+        """What a row may sample: its grammar's mask (None: anything), less control characters in JSON and the
+        tokens that would complete a bad word."""
         import numpy
 
-        words = (self.vocab_size + 31) // 32
-        masks = numpy.full((len(seq_ids), words), -1, dtype=numpy.int32)   # all allowed
-        for i, seq_id in enumerate(seq_ids):
-            row = self.rows[seq_id]
-            if row.mask is not None:
-                masks[i] = row.mask
-                row.mask = None   # this token's: the next one needs the token sampled now
-            if row.is_json:
-                # xgrammar 0.2.8 lets a length-bounded JSON string (maxLength) hold raw control characters,
-                # which JSON forbids; compact JSON needs none outside strings either
-                masks[i] &= self.compilation.no_control_chars
-            if row.bad_words is not None:
-                clear_bits(masks[i], row.bad_words.banned_next())
-        return [worker_pb2.TokenBitmask(seq_id=seq_id, bits=masks[i].tobytes()) for i, seq_id in enumerate(seq_ids)]
+        mask = numpy.full((self.vocab_size + 31) // 32, -1, dtype=numpy.int32)   # all allowed
+        if grammar_mask is not None:
+            mask[:] = grammar_mask
+        if row.is_json:
+            # xgrammar 0.2.8 lets a length-bounded JSON string (maxLength) hold raw control characters, which
+            # JSON forbids; compact JSON needs none outside strings either
+            mask &= self.compilation.no_control_chars
+        if bad_words is not None:
+            clear_bits(mask, bad_words.banned_next())
+        return mask
 
     def free(self, request_id: str, seq_ids: list[str]) -> None:
         if request_id in self.preparing:

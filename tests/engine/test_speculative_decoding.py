@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections import Counter
 
 import pytest
 import torch
 
+from base.structured_output import StructuredOutput
 from ferry import SamplingParams
 from tests.conftest import build_tiny_llama, transformers_greedy
 from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
@@ -96,11 +98,19 @@ def test_a_stop_token_inside_kept_proposals_ends_the_output_there(tiny_llama_dir
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
-def test_bad_words_requests_do_not_speculate_and_keep_their_output(tiny_llama_dir, prompts):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=["a"])
-    plain, speculated, engine = generate_both(tiny_llama_dir, prompts[:8], params)
+def test_constrained_requests_check_each_proposal_against_their_grammar(tiny_llama_dir):
+    """A regex and bad words: every proposed token is checked against its position's mask and sampled under it,
+    so the output is the one without speculation (and matches the regex, with no banned word)."""
+    text = "the cat sat on the mat. the cat sat on the mat. the cat sat"
+    regex = StructuredOutput("regex", spec="[a-z .]{40,80}")
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_output=regex),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=("cat",)),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=MAX_TOKENS, structured_output=regex,
+                             bad_words=("mat",))]
+    plain, speculated, engine = generate_both(tiny_llama_dir, [text] * 3, params)
     assert [r.token_ids for r in speculated] == [r.token_ids for r in plain]
-    assert engine.scheduler.counters.spec_proposed_tokens == 0
+    assert engine.scheduler.counters.spec_accepted_tokens > 0
+    assert re.fullmatch("[a-z .]*", speculated[0].text) and re.fullmatch("[a-z .]*", speculated[2].text)
 
 
 def test_unseeded_samples_follow_the_models_distribution(tiny_llama_dir, hf_model):

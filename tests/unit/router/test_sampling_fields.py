@@ -27,11 +27,12 @@ PLACES = {
     "frequency_penalty": {"gpu_worker/sampling/sampler.py"},
     "repetition_penalty": {"gpu_worker/sampling/sampler.py"},
     "stop_token_ids": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/grammar_masks.py",
-                       "scheduler/grammar_compilation.py"},   # there: xgrammar's argument, the model's stop tokens
+                       "scheduler/grammar_compilation.py",    # there: xgrammar's argument, the model's stop tokens
+                       "scheduler/grammar_drafts.py"},        # and the model's, which end a grammar's proposals
     "ignore_eos": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py"},
     "include_stop_str_in_output": {"router/core.py"},
     "bad_words": {"scheduler/bad_words.py", "scheduler/core.py", "scheduler/grammar_compilation.py",
-                  "scheduler/grammar_masks.py"},
+                  "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
 }
 CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
               dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}
