@@ -81,6 +81,7 @@ class Scheduler:
         self.drafts: dict[str, list[int]] = {}   # the step being scheduled: proposals by seq_id
         self.draft_masks: dict[str, list] = {}    # and the masks of the constrained ones' sampled positions
         self.lookahead = 0                        # the step being scheduled: KV slots reserved for a draft model
+        self.speculating = False                  # and whether its decodes get proposals
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -133,8 +134,9 @@ class Scheduler:
     def schedule(self) -> worker_pb2.StepRequest | None:
         self.scheduled, self.drafts, self.draft_masks = {}, {}, {}
         self.budget = self.config.max_num_batched_tokens
+        self.speculating = self.speculation.active(len(self.running))   # decided once a step
         # slots past a sampling sequence's tokens for a draft model's proposals, if it proposes after this step
-        self.lookahead = self.speculation.lookahead if self.speculation.active(len(self.running)) else 0
+        self.lookahead = self.speculation.lookahead if self.speculating else 0
         if self.compiling:
             self.queue_compiled()
         if self.structured.rows:
@@ -170,7 +172,7 @@ class Scheduler:
         needs the pending one."""
         if seq.num_output_tokens + seq.num_pending_tokens >= seq.params.max_tokens:
             return False
-        if seq.num_pending_tokens > 1 or self.speculation.active(len(self.running)):
+        if seq.num_pending_tokens > 1 or self.speculating:
             return False   # proposals in flight, or to be made once its pending token is known
         return seq.num_tokens < self.max_model_len and not self.structured.constrains(seq.seq_id)
 
@@ -178,8 +180,7 @@ class Scheduler:
     def speculate(self, seq: Sequence, num_tokens: int) -> int:
         """Propose tokens after seq's last one, if it decodes now and the pool holds them without preempting
         anyone; how many it got."""
-        if (num_tokens != 1 or seq.num_pending_tokens or seq.seq_id not in self.worker_seqs
-                or not self.speculation.active(len(self.running))):
+        if num_tokens != 1 or seq.num_pending_tokens or seq.seq_id not in self.worker_seqs or not self.speculating:
             return 0
         drafts = self.speculation.propose(seq, self.budget)
         if drafts and self.structured.constrains(seq.seq_id):

@@ -19,18 +19,40 @@ MIN_STEPS = 16
 MIN_PROPOSED = 64
 
 
+class WindowSums:
+    """Sums over the last `size` (x, y) pairs, kept as pairs come and go: what a least-squares line and a ratio
+    need, in constant time a pair."""
+
+    def __init__(self, size: int):
+        self.pairs: deque[tuple[float, float]] = deque()
+        self.size = size
+        self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        self.pairs.append((x, y))
+        self.shift(x, y, 1)
+        if len(self.pairs) > self.size:
+            self.shift(*self.pairs.popleft(), -1)
+
+    def shift(self, x: float, y: float, sign: int) -> None:
+        self.x += sign * x
+        self.y += sign * y
+        self.xx += sign * x * x
+        self.xy += sign * x * y
+
+
 class SpeculationPayoff:
     def __init__(self) -> None:
-        self.steps: deque[tuple[int, float]] = deque(maxlen=WINDOW_STEPS)          # (tokens, seconds)
-        self.verified: deque[tuple[int, int]] = deque(maxlen=WINDOW_VERIFICATIONS)  # (proposed, accepted)
+        self.steps = WindowSums(WINDOW_STEPS)               # (tokens, seconds)
+        self.verified = WindowSums(WINDOW_VERIFICATIONS)    # (proposed, accepted)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step of decodes only (verifications included): prefill chunks' attention would bend the line."""
         if seconds > 0:
-            self.steps.append((num_tokens, seconds))
+            self.steps.add(num_tokens, seconds)
 
     def observe_verified(self, num_proposed: int, num_accepted: int) -> None:
-        self.verified.append((num_proposed, num_accepted))
+        self.verified.add(num_proposed, num_accepted)
 
     def pays_at(self, batch_size: int) -> bool:
         return batch_size < self.break_even_batch()
@@ -47,19 +69,16 @@ class SpeculationPayoff:
         return rate / (1.0 - rate) * max(fixed, 0.0) / per_token
 
     def acceptance_rate(self) -> float | None:
-        proposed = sum(p for p, _ in self.verified)
-        return sum(a for _, a in self.verified) / proposed if proposed >= MIN_PROPOSED else None
+        return self.verified.y / self.verified.x if self.verified.x >= MIN_PROPOSED else None
 
     def step_time_line(self) -> tuple[float, float] | None:
         """(fixed, per_token) of the least-squares line through the recent steps; None if their sizes do not
         vary enough to fit one."""
-        if len(self.steps) < MIN_STEPS:
+        sums, n = self.steps, len(self.steps.pairs)
+        if n < MIN_STEPS:
             return None
-        n = len(self.steps)
-        mean_tokens = sum(t for t, _ in self.steps) / n
-        mean_seconds = sum(s for _, s in self.steps) / n
-        spread = sum((t - mean_tokens) ** 2 for t, _ in self.steps)
+        spread = sums.xx - sums.x * sums.x / n
         if spread < n:   # token counts within about one of each other: no slope to see
             return None
-        per_token = sum((t - mean_tokens) * (s - mean_seconds) for t, s in self.steps) / spread
-        return mean_seconds - per_token * mean_tokens, per_token
+        per_token = (sums.xy - sums.x * sums.y / n) / spread
+        return (sums.y - per_token * sums.x) / n, per_token
