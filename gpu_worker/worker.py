@@ -190,4 +190,5 @@ class Worker:
         result = self.runner.step(req)
         result.idle_seconds = started - self.last_step_ended if self.last_step_ended else 0.0
         self.last_step_ended = time.perf_counter()
+        result.busy_seconds = self.last_step_ended - started
         return result

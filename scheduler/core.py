@@ -366,7 +366,7 @@ class Scheduler:
                    for _, entries in itertools.groupby(result.sampled, key=lambda sampled: sampled.seq_id)]
         self.take_proposals(result.proposals)
         if chunks and all(chunk.num_tokens - chunk.num_drafts == 1 for chunk in chunks):
-            self.speculation.payoff.observe_step(sum(chunk.num_tokens for chunk in chunks), result.forward_seconds)
+            self.speculation.payoff.observe_step(sum(chunk.num_tokens for chunk in chunks), result.busy_seconds)
         gained = Counter(sampled.seq_id for sampled in result.sampled)
         for chunk in chunks:
             if chunk.num_drafts:

@@ -1,5 +1,5 @@
-"""When speculation pays, from what this scheduler measures: its decode steps' time against the tokens they compute,
-and the share of proposed tokens its model keeps.
+"""When speculation pays, from what this scheduler measures: its decode steps' time in the worker (inputs, forward,
+sampling, proposals) against the tokens they compute, and the share of proposed tokens its model keeps.
 
 A decode step of n tokens takes about T(n) = fixed + per_token * n (the weights are read once a step whatever n is;
 each token then costs its share of compute). A batch of B decodes that proposes C tokens, of which a share a is kept,

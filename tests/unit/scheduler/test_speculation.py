@@ -52,7 +52,7 @@ class CopyingWorker:
                               list(cached.draft_token_ids)))
         fixed, per_token = self.seconds_per_step
         result = worker_pb2.StepResult(step_id=req.step_id,
-                                       forward_seconds=fixed + per_token * sum(count for *_, count, _ in scheduled))
+                                       busy_seconds=fixed + per_token * sum(count for *_, count, _ in scheduled))
         for seq_id, start, count, drafts in scheduled:
             tokens, blocks, num_prompt_tokens = self.seqs[seq_id]
             assert start + count <= len(tokens) + len(drafts) and len(blocks) * BLOCK_SIZE >= start + count
