@@ -201,6 +201,11 @@ def raise_interrupt(*_) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    try:
+        from_args(EngineConfig, args).validate()   # a bad flag stops here, before any process starts
+    except ValueError as e:
+        print(f"ferry up: error: {e}", file=sys.stderr, flush=True)
+        return 2
     stack = Stack()
     signal.signal(signal.SIGTERM, raise_interrupt)
     try:

@@ -38,13 +38,15 @@ def main() -> int:
         check_exposure(args.host, secrets.cluster_token, args.insecure)
         options = from_args(ServeOptions, args, cluster_token=secrets.cluster_token,
                             redis_password=secrets.redis_password, tls=tls)
+        config = from_args(EngineConfig, args)
+        config.validate()
     except ValueError as e:
         parser.error(str(e))
     if tls.ca and not tls.serving:
         parser.error("--tls-ca needs --tls-cert and --tls-key (the scheduler checks callers' certificates over TLS)")
     from scheduler.process import serve
 
-    return event_loop.run(serve(from_args(EngineConfig, args), options))
+    return event_loop.run(serve(config, options))
 
 
 def check_exposure(host: str, cluster_token: str, insecure: bool) -> None:
