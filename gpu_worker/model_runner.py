@@ -101,8 +101,8 @@ class ModelRunner:
         if self.draft is not None and req.num_proposals:
             started = time.perf_counter()
             proposals = self.draft.propose(sampled, req.num_proposals, self.decode_batch)
-            result.proposals.extend(worker_pb2.Proposal(seq_id=seq_id, token_ids=tokens)
-                                    for seq_id, tokens in proposals.items())
+            result.proposals.extend(worker_pb2.Proposal(seq_id=seq_id, token_ids=proposed)
+                                    for seq_id, proposed in proposals.items())
             result.forward_seconds += time.perf_counter() - started
         return result
 
@@ -187,16 +187,16 @@ class ModelRunner:
         batch = self.attention_batch(chunks, slots)
         lengths = torch.tensor([c.num_tokens for c in chunks])
         ends = lengths.cumsum(0) - 1
-        sample_rows = torch.tensor([row for c, end in zip(chunks, ends.tolist())
-                                    for row in range(end - c.num_sampled_rows + 1, end + 1)],
-                                   dtype=torch.long).to(self.device)
+        logit_rows = torch.tensor([row for c, end in zip(chunks, ends.tolist())
+                                   for row in range(end - c.num_sampled_rows + 1, end + 1)],
+                                  dtype=torch.long).to(self.device)
 
         def forward() -> torch.Tensor | None:
             hidden = self.model(input_ids, positions, self.pool.layers, batch)
             if self.draft is not None:
                 self.draft.follow(input_ids, positions, batch)
             self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
-            return self.model.compute_logits(hidden[sample_rows]) if sample_rows.numel() else None
+            return self.model.compute_logits(hidden[logit_rows]) if logit_rows.numel() else None
         return forward
 
     def gather_prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, first_rows: list[int]
