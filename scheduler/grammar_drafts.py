@@ -16,8 +16,7 @@ def checked_proposals(manager: StructuredOutputManager, seq_id: str, proposals: 
     masks of the positions they sample at: one more than the proposals kept. The row's mask must be ready."""
     row = manager.rows[seq_id]
     bad_words = copy.deepcopy(row.bad_words)
-    masks = [manager.allowed(row, row.mask, bad_words)]
-    row.mask = None   # the worker has it now, as bitmasks() would do
+    masks = [manager.allowed(row, row.mask, bad_words)]   # row.mask stays until the step is built with these
     if row.slow:      # its grammar fills masks slowly: not on the step loop's thread
         return [], masks
     kept = []

@@ -201,3 +201,15 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_engine(tiny_llama_dir, speculative_config=draft_config(tmp_path))
+
+
+def test_constrained_requests_with_proposals_survive_preemption(tiny_llama_dir):
+    """A grammar row whose proposals were checked in a step that then preempted it keeps its mask: it samples
+    again once readmitted, and every output is the one without speculation."""
+    text = "the cat sat on the mat. the cat sat on the mat. the cat sat"
+    regex = StructuredOutput("regex", spec="[a-z .]{40,80}")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_output=regex)
+    overrides = {"kv_cache_memory": kv_bytes_for(None, 40), "max_model_len": 96}
+    plain, speculated, engine = generate_both(tiny_llama_dir, [text + " " * i for i in range(8)], params, **overrides)
+    assert engine.stats().num_preemptions > 0 and engine.scheduler.counters.spec_proposed_tokens > 0
+    assert [r.token_ids for r in speculated] == [r.token_ids for r in plain]
