@@ -364,15 +364,21 @@ class Scheduler:
             self.block_manager.register_full_blocks(seq)
         outputs = [self.append_tokens(list(entries))
                    for _, entries in itertools.groupby(result.sampled, key=lambda sampled: sampled.seq_id)]
+        if self.speculation.config is not None:
+            self.settle_speculation(chunks, result)
+        outputs, self.failed = self.failed + outputs, []
+        return [out for out in outputs if out is not None]
+
+    def settle_speculation(self, chunks: list[ScheduledChunk], result: worker_pb2.StepResult) -> None:
+        """Take the step's proposals and verified counts, and time it for the payoff (speculation on only)."""
         self.take_proposals(result.proposals)
         if chunks and all(chunk.num_tokens - chunk.num_drafts == 1 for chunk in chunks):
             self.speculation.payoff.observe_step(sum(chunk.num_tokens for chunk in chunks), result.busy_seconds)
-        gained = Counter(sampled.seq_id for sampled in result.sampled)
-        for chunk in chunks:
-            if chunk.num_drafts:
-                self.settle(chunk, max(0, gained[chunk.seq.seq_id] - 1))
-        outputs, self.failed = self.failed + outputs, []
-        return [out for out in outputs if out is not None]
+        if any(chunk.num_drafts for chunk in chunks):
+            gained = Counter(sampled.seq_id for sampled in result.sampled)
+            for chunk in chunks:
+                if chunk.num_drafts:
+                    self.settle(chunk, max(0, gained[chunk.seq.seq_id] - 1))
 
     def take_proposals(self, proposals) -> None:
         """A draft model's proposals, for the next step of the sequences still running (they follow the tokens
