@@ -21,6 +21,7 @@ KV_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
 
 @dataclass
@@ -70,6 +71,15 @@ class EngineConfig:
     structured_output_compile_workers: int = option(
         2, "grammars compiled at once, those past the timeout included (a compile cannot be stopped): at most this "
            "many cores compile")
+    scheduling_policy: str = option(
+        "fcfs", "the order of the work that competes for a step (prefill chunks and admissions; decodes always run): "
+                "fcfs, arrival order; priority, a request's priority then arrival (lower first; a better one may "
+                "preempt a worse running one when the pool or the batch is full); fair, within a priority band the "
+                "tenant served the fewest weighted tokens first (scheduler/scheduling_policy.py)",
+        choices=SCHEDULING_POLICIES)
+    priority_aging_steps: int = option(
+        1000, "under priority and fair, a request's priority improves by one for every this many steps since it "
+              "arrived, so that no band waits forever")
     speculative_config: str = option(
         "", "speculative decoding, as a JSON object of vLLM's keys: {\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, "
@@ -95,6 +105,10 @@ class EngineConfig:
             raise ValueError("structured_output_compile_timeout must be positive and structured_output_compile_workers "
                              "at least 1")
         parse_speculative_config(self.speculative_config)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
+        if self.priority_aging_steps < 1:
+            raise ValueError(f"priority_aging_steps must be at least 1, got {self.priority_aging_steps}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -23,11 +23,11 @@ class StaticBatchingScheduler(Scheduler):
         self.cohort: set[str] = set()   # the requests of the batch in flight
         self.closed = False             # a batch is in flight: only its own (preempted) sequences come back
 
-    def admit_waiting(self) -> None:
+    def begin_admission(self) -> None:
         self.closed = bool(self.running)
         if not self.closed:
             self.cohort = set()
-        super().admit_waiting()
+        super().begin_admission()
 
     def may_join(self, seq: Sequence) -> bool:
         """The whole cohort is admitted at once, past the step's token budget (its prefill chunks follow)."""

@@ -32,7 +32,8 @@ from scheduler.grammar_drafts import checked_proposals
 from scheduler.grammar_masks import StructuredOutputManager
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
-from scheduler.sequence import Request, Sequence, SequenceStatus
+from scheduler.scheduling_policy import scheduling_policy
+from scheduler.sequence import DEFAULT_TENANCY, Request, Sequence, SequenceStatus, Tenancy
 from scheduler.speculation import Speculation
 from scheduler.stats import StepCounters, stats_response
 from scheduler.stopping import finish_reason
@@ -82,23 +83,28 @@ class Scheduler:
         self.draft_masks: dict[str, list] = {}    # and the masks of the constrained ones' sampled positions
         self.lookahead = 0                        # the step being scheduled: KV slots reserved for a draft model
         self.speculating = False                  # and whether its decodes get proposals
+        self.policy = scheduling_policy(config.scheduling_policy, config.priority_aging_steps)
+        self.num_seats = 0                        # the step being scheduled: batch slots taken
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    resumed_token_ids: list[int] = (), sampling: common_pb2.SamplingParams | None = None) -> None:
+                    resumed_token_ids: list[int] = (), sampling: common_pb2.SamplingParams | None = None,
+                    tenancy: Tenancy = DEFAULT_TENANCY) -> None:
         """resumed_token_ids: tokens a scheduler that died had generated for this request: it goes on after them
         as a preempted sequence would (they count towards max_tokens and penalties, and seeded sampling depends
         only on the position), so the continuation is the one that scheduler would have produced. sampling: the
-        message params came from, if they came in one (kept for the worker, not built again)."""
+        message params came from, if they came in one (kept for the worker, not built again). tenancy: its tenant
+        and priority, for --scheduling-policy."""
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
                           self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
         check_resumed(resumed_token_ids, params)
         sampling = params.to_proto() if sampling is None else sampling
-        request = Request(request_id, list(prompt_token_ids), params, sampling)
+        request = Request(request_id, list(prompt_token_ids), params, sampling, tenancy, self.counters.steps)
         first = self.new_sequence(request, 0, [*prompt_token_ids, *resumed_token_ids])
         request.seqs.append(first)
         request.forked = params.n == 1
         self.requests[request_id] = request
+        self.policy.on_arrival(tenancy)
         self.block_manager.announce(first)
         if params.structured_output is not None or params.bad_words:
             self.structured.submit(request_id, params.structured_output, params.bad_words)
@@ -108,12 +114,14 @@ class Scheduler:
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         return Sequence(f"{request.request_id}/{index}", request.request_id, index, token_ids,
-                        len(request.prompt_token_ids), request.params, next(self.arrivals))
+                        len(request.prompt_token_ids), request.params, next(self.arrivals), request.tenancy,
+                        request.arrival_step)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self.policy.on_departure(request.tenancy)
         self.structured.free(request_id, [s.seq_id for s in request.seqs])
         for seq in request.seqs:
             if seq in self.compiling:
@@ -141,30 +149,36 @@ class Scheduler:
             self.queue_compiled()
         if self.structured.rows:
             self.check_grammars()
-        # decodes first, then unfinished prefill chunks: a long prompt never stalls the running decodes
+        # decodes first, then unfinished prefill chunks and admissions in the policy's order: a long prompt never
+        # stalls the running decodes
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        preempted = False
-        for seq in itertools.chain(decodes, prefills):
-            if self.budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:   # preempted this step to make room for an older one
-                continue
-            if seq.num_pending_tokens and not self.may_run_ahead(seq):
-                continue
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
-            if seq.num_computed_tokens + num_tokens == seq.num_tokens and not self.structured.mask_ready(seq.seq_id):
-                continue   # its grammar's mask for the token it would sample is still being filled
-            samples = seq.num_computed_tokens + num_tokens == seq.num_tokens
-            num_tokens += self.speculate(seq, num_tokens)
-            if not self.make_room(seq, num_tokens + self.lookahead * samples):
-                preempted = True
-                continue
-            self.scheduled[seq.seq_id] = (seq, num_tokens)
-            self.budget -= num_tokens
-        if not preempted:
-            self.admit_waiting()
+        preempted = not all([self.schedule_running(seq) for seq in decodes])
+        self.begin_admission()
+        admitting, queued = True, set(self.waiting)
+        for seq in self.policy.order(prefills, list(self.waiting), self.counters.steps):
+            if seq.status is SequenceStatus.RUNNING:
+                preempted |= not self.schedule_running(seq)
+            elif admitting and not preempted and seq in queued:   # not one preempted in this step
+                admitting = self.admit(seq)
         return self.build_step()
+
+    def schedule_running(self, seq: Sequence) -> bool:
+        """Give seq its next tokens if the budget and the pool allow; False if making room preempted seq itself."""
+        if self.budget == 0 or seq.status is not SequenceStatus.RUNNING:   # preempted for an older one
+            return True
+        if seq.num_pending_tokens and not self.may_run_ahead(seq):
+            return True
+        num_tokens = min(seq.num_tokens - seq.num_computed_tokens, self.budget)
+        if seq.num_computed_tokens + num_tokens == seq.num_tokens and not self.structured.mask_ready(seq.seq_id):
+            return True   # its grammar's mask for the token it would sample is still being filled
+        samples = seq.num_computed_tokens + num_tokens == seq.num_tokens
+        num_tokens += self.speculate(seq, num_tokens)
+        if not self.make_room(seq, num_tokens + self.lookahead * samples):
+            return False
+        self.scheduled[seq.seq_id] = (seq, num_tokens)
+        self.budget -= num_tokens
+        return True
 
     def may_run_ahead(self, seq: Sequence) -> bool:
         """Whether seq, whose last token a step in flight is still sampling, may compute that token's position now:
@@ -235,37 +249,58 @@ class Scheduler:
         """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
         self.block_manager.free_blocks_before_window(seq)
         while not self.block_manager.append_slots(seq, num_tokens):
-            victim = max(self.running, key=lambda s: s.arrival)
+            victim = self.policy.victim(self.running, self.counters.steps)
             self.preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def admit_waiting(self) -> None:
-        num_seats = sum(self.seats(s) for s in self.running) if self.waiting else 0
-        while self.waiting:
-            seq = self.waiting[0]
-            request = self.requests[seq.request_id]
-            seats = self.seats(seq)
-            if num_seats + seats > self.config.max_num_seqs or not self.may_join(seq) or not self.may_sample(seq):
-                break
-            hits = self.block_manager.match_prefix(seq)
-            num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
-            samples = len(hits) * self.block_size + num_tokens == seq.num_tokens
-            if not self.block_manager.allocate(seq, hits, num_tokens + self.lookahead * samples):
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            num_seats += seats
-            self.joined(seq)
-            if seq.index == 0 and seq.num_preemptions == 0:
-                request.num_cached_tokens = seq.num_computed_tokens
-            if num_tokens:
-                self.scheduled[seq.seq_id] = (seq, num_tokens)
-            self.budget -= num_tokens
+    def admit(self, seq: Sequence) -> bool:
+        """Move waiting seq into the running batch with its first chunk, if seats, budget and pool allow (the
+        policy may preempt a running sequence it ranks below seq); False if it must wait, and those after it too."""
+        seats = self.seats(seq)
+        if not self.may_join(seq) or not self.may_sample(seq) or not self.seat(seq, seats):
+            return False
+        hits = self.block_manager.match_prefix(seq)
+        num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
+        samples = len(hits) * self.block_size + num_tokens == seq.num_tokens
+        while not self.block_manager.allocate(seq, hits, num_tokens + self.lookahead * samples):
+            if not self.preempt_for(seq):
+                return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_charged_tokens = max(seq.num_charged_tokens, seq.num_computed_tokens)   # a cached prefix is free
+        self.running.append(seq)
+        self.num_seats += seats
+        self.joined(seq)
+        if seq.index == 0 and seq.num_preemptions == 0:
+            self.requests[seq.request_id].num_cached_tokens = seq.num_computed_tokens
+        if num_tokens:
+            self.scheduled[seq.seq_id] = (seq, num_tokens)
+        self.budget -= num_tokens
+        return True
+
+    def seat(self, seq: Sequence, seats: int) -> bool:
+        """Whether the batch has seats for seq, after preempting for it what the policy allows."""
+        while self.num_seats + seats > self.config.max_num_seqs:
+            if not self.preempt_for(seq):
+                return False
+        return True
+
+    def preempt_for(self, seq: Sequence) -> bool:
+        """Preempt the running sequence the policy ranks last, if it ranks below waiting seq."""
+        if not self.running:
+            return False
+        victim = self.policy.victim(self.running, self.counters.steps)
+        if not self.policy.may_preempt_for(seq, victim, self.counters.steps):
+            return False
+        self.preempt(victim)
+        return True
 
     # hooks of the static-batching baseline (scheduler/baselines.py)
+    def begin_admission(self) -> None:
+        self.num_seats = sum(self.seats(s) for s in self.running)
+
     def may_join(self, seq: Sequence) -> bool:
         return self.budget > 0
 
@@ -281,6 +316,7 @@ class Scheduler:
         self.budget += num_tokens
         self.running.remove(seq)
         self.release(seq)
+        self.num_seats -= self.seats(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.counters.preemptions += 1
@@ -336,13 +372,13 @@ class Scheduler:
                                for mask in self.draft_masks[seq_id])
         return entries
 
-    @staticmethod
-    def computed(seq: Sequence, num_tokens: int, num_drafts: int) -> ScheduledChunk:
+    def computed(self, seq: Sequence, num_tokens: int, num_drafts: int) -> ScheduledChunk:
         """Count the step's tokens of seq as computed; if they reach its last token, the one sampled is pending
         (with proposals: every proposed position and the one after, until the step says how many it kept)."""
         chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_tokens,
                                seq.num_computed_tokens + num_tokens - num_drafts == seq.num_tokens, num_drafts)
         seq.num_computed_tokens += num_tokens
+        self.policy.charge(seq)
         seq.num_pending_tokens += chunk.samples + num_drafts
         return chunk
 
@@ -440,7 +476,7 @@ class Scheduler:
         for index in range(1, request.params.n):
             child = self.new_sequence(request, index, list(request.prompt_token_ids))
             self.block_manager.fork(first, child, prompt_len)
-            child.num_computed_tokens = prompt_len - 1
+            child.num_computed_tokens = child.num_charged_tokens = prompt_len - 1
             child.kv_present_tokens = prompt_len
             child.status = SequenceStatus.RUNNING
             if self.structured.constrains(first.seq_id):
@@ -456,6 +492,7 @@ class Scheduler:
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]
+            self.policy.on_departure(request.tenancy)
             self.structured.free(seq.request_id, [s.seq_id for s in request.seqs])
 
     def sequence(self, seq_id: str) -> Sequence | None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from base.sampling_params import SamplingParams
+from scheduler.sequence import DEFAULT_TENANCY, Tenancy
 
 RESTART_BACKOFF_S = 1.0        # a restart soon after the last one waits this long, doubled each time, up to
 MAX_RESTART_BACKOFF_S = 30.0
@@ -28,6 +29,7 @@ class Rejoining:
     prompt: list[int]
     params: SamplingParams
     generated: list[int]
+    tenancy: Tenancy = DEFAULT_TENANCY
 
     def resumed_params(self) -> SamplingParams:
         """Its prompt logprobs went out with its first token: a resumed request does not score its prompt again."""

@@ -28,6 +28,7 @@ from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
 from scheduler.crash_triage import CrashTriage, Rejoining
 from scheduler.scheduler_telemetry import SchedulerMetrics, SchedulerTelemetry
+from scheduler.sequence import DEFAULT_TENANCY, Tenancy
 from scheduler.worker_process import WorkerFailed, WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,10 @@ class EngineLoop:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     outputs: asyncio.Queue, trace_parent: Context | None = None,
                     resumed_token_ids: list[int] | None = None,
-                    sampling: common_pb2.SamplingParams | None = None) -> RequestStream:
+                    sampling: common_pb2.SamplingParams | None = None,
+                    tenancy: Tenancy = DEFAULT_TENANCY) -> RequestStream:
         """resumed_token_ids: what another scheduler generated for it before it died; sampling: the message params
-        came from (Scheduler.add_request)."""
+        came from; tenancy: its tenant and priority (Scheduler.add_request)."""
         if self.draining:
             raise Draining("the scheduler is shutting down")
         if self.failure and not self.restarting:
@@ -96,9 +98,10 @@ class EngineLoop:
             check_token_ids(resumed_token_ids, self.info.model.vocab_size)
         self.limits.check(self.scheduler, len(prompt_token_ids))
         if self.restarting:   # taken, and handed to the new worker with those the old one had
-            self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or []))
+            self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or [], tenancy))
         else:
-            self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [], sampling)
+            self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [], sampling,
+                                       tenancy)
             self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
         stream = RequestStream(request_id, params.n, outputs)
@@ -152,7 +155,7 @@ class EngineLoop:
                 self.fail_stream(request_id, WorkerFailed(reason))
             else:
                 live.append(Rejoining(request_id, request.prompt_token_ids, request.params,
-                                      request.seqs[0].output_token_ids))
+                                      request.seqs[0].output_token_ids, request.tenancy))
         return live
 
     def rejoin(self, live: list[Rejoining], suspects: set[str]) -> None:
@@ -172,7 +175,7 @@ class EngineLoop:
                 continue
             try:
                 self.scheduler.add_request(request.request_id, request.prompt, request.resumed_params(),
-                                           request.generated)
+                                           request.generated, tenancy=request.tenancy)
             except ValueError as e:
                 self.fail_stream(request.request_id, StatusError(grpc.StatusCode.UNAVAILABLE, str(e)))
         self.wakeup.set()

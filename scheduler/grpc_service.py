@@ -19,6 +19,7 @@ from protos.finish_reasons import FINISH_REASON_TO_PROTO
 from scheduler.admission import QueueFull
 from scheduler.core import RequestOutput
 from scheduler.engine_loop import Draining, EngineLoop, RequestStream
+from scheduler.sequence import Tenancy
 from scheduler.worker_process import WorkerFailed
 
 
@@ -51,8 +52,9 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
         params = SamplingParams.from_proto(request.sampling)
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)   # its own: a part of the request would keep all of it (the prompt) alive
+        tenancy = Tenancy(request.tenant, request.priority, request.tenant_weight or 1.0)
         return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent,
-                                list(request.resumed_token_ids), sampling)
+                                list(request.resumed_token_ids), sampling, tenancy)
     except ValueError as e:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
     except QueueFull as e:

@@ -8,6 +8,18 @@ from base.sampling_params import SamplingParams
 from protos import common_pb2
 
 
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose a request is and how urgent: its tenant, that tenant's weight in fair sharing, and its priority (lower
+    first, as vLLM's). The router sets them; a request without them is the default tenant's, at priority 0."""
+    tenant: str = ""
+    priority: int = 0
+    weight: float = 1.0
+
+
+DEFAULT_TENANCY = Tenancy()
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -23,6 +35,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival: int                                   # admission order: preemption takes the newest
+    tenancy: Tenancy = DEFAULT_TENANCY
+    arrival_step: int = 0                          # the scheduler's step count when its request arrived (aging)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -36,6 +50,7 @@ class Sequence:
     kv_present_tokens: int = 0                     # a forked sample: its prompt's KV is shared, never rewritten
     proposed_token_ids: list[int] = field(default_factory=list)   # a draft model's, after its current tokens
     num_pending_tokens: int = 0                    # positions a step in flight samples or verifies, not yet known
+    num_charged_tokens: int = 0                    # positions its tenant was charged for (a recompute is not)
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +78,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     sampling: common_pb2.SamplingParams            # params as the request brought them: what each sample's worker gets
+    tenancy: Tenancy = DEFAULT_TENANCY
+    arrival_step: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False                           # the n-1 siblings of sample 0 exist

@@ -1,0 +1,116 @@
+"""The order of the work that competes for a step, and whom the pool takes back from when it runs dry
+(--scheduling-policy). Decodes always run first and are never reordered: what competes is the step's remaining
+budget, between running prefills and waiting sequences.
+
+- fcfs: running prefills, then the queue in arrival order (a preempted sequence at its front); the newest running
+  sequence is preempted.
+- priority (vLLM's): by effective priority, then arrival; the worst running sequence is preempted, and a waiting one
+  may preempt a running one of a worse effective priority to be admitted.
+- fair (a virtual token counter, Sheng et al., OSDI 2024): within an effective priority band, the tenant that was
+  served the fewest tokens divided by its weight first. Every position a tenant's sequences compute for the first
+  time counts (prompt and output; a recompute after preemption does not, a cached prefix is free). A tenant that
+  becomes active starts level with the least-served active tenant, so idle time banks no credit: a newcomer is
+  served within one step budget of everyone else's work. Preemption takes from the lowest band, most-served tenant
+  first; a waiting sequence may preempt a running one of a worse band, or of its band and a tenant served more.
+
+Aging, so that no band waits forever: a request's effective priority is its priority less one for every
+`priority_aging_steps` steps since it arrived. A request of priority p behind a stream of newer requests of
+priority q < p is served after at most (p - q + 1) x priority_aging_steps steps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from scheduler.sequence import Sequence, Tenancy
+
+
+class FirstComeFirstServed:
+    def __init__(self, aging_steps: int = 1):
+        self.aging_steps = aging_steps
+
+    def order(self, prefills: list[Sequence], waiting: list[Sequence], step: int) -> list[Sequence]:
+        return [*prefills, *waiting]
+
+    def victim(self, running: list[Sequence], step: int) -> Sequence:
+        return max(running, key=lambda s: s.arrival)
+
+    def may_preempt_for(self, seq: Sequence, victim: Sequence, step: int) -> bool:
+        return False
+
+    def on_arrival(self, tenancy: Tenancy) -> None:
+        pass
+
+    def on_departure(self, tenancy: Tenancy) -> None:
+        pass
+
+    def charge(self, seq: Sequence) -> None:
+        pass
+
+
+class PriorityFirst(FirstComeFirstServed):
+    def band(self, seq: Sequence, step: int) -> int:
+        """seq's effective priority: its priority, improved by one every aging_steps steps since it arrived."""
+        return seq.tenancy.priority - (step - seq.arrival_step) // self.aging_steps
+
+    def rank(self, seq: Sequence, step: int) -> tuple:
+        return self.band(seq, step), seq.arrival
+
+    def order(self, prefills: list[Sequence], waiting: list[Sequence], step: int) -> list[Sequence]:
+        return sorted([*prefills, *waiting], key=lambda s: self.rank(s, step))
+
+    def victim(self, running: list[Sequence], step: int) -> Sequence:
+        return max(running, key=lambda s: self.rank(s, step))
+
+    def may_preempt_for(self, seq: Sequence, victim: Sequence, step: int) -> bool:
+        return self.band(victim, step) > self.band(seq, step)
+
+
+class FairShare(PriorityFirst):
+    def __init__(self, aging_steps: int = 1):
+        super().__init__(aging_steps)
+        self.served: dict[str, float] = {}     # tokens served / weight, by tenant
+        self.active: Counter[str] = Counter()   # unfinished requests, by tenant
+
+    def rank(self, seq: Sequence, step: int) -> tuple:
+        return self.band(seq, step), self.served.get(seq.tenancy.tenant, 0.0), seq.arrival
+
+    def may_preempt_for(self, seq: Sequence, victim: Sequence, step: int) -> bool:
+        if victim.tenancy.tenant == seq.tenancy.tenant:
+            return super().may_preempt_for(seq, victim, step)
+        return self.rank(victim, step)[:2] > self.rank(seq, step)[:2]
+
+    def on_arrival(self, tenancy: Tenancy) -> None:
+        tenant = tenancy.tenant
+        if not self.active[tenant]:
+            others = [self.served[t] for t, n in self.active.items() if n and t != tenant]
+            self.served[tenant] = max(self.served.get(tenant, 0.0), min(others, default=0.0))
+        self.active[tenant] += 1
+
+    def on_departure(self, tenancy: Tenancy) -> None:
+        tenant = tenancy.tenant
+        self.active[tenant] -= 1
+        if self.active[tenant] <= 0:
+            del self.active[tenant]
+            self.forget_idle()
+
+    def forget_idle(self) -> None:
+        """Drop idle tenants that a return would lift to the least-served active one anyway (all, when none is
+        active): the counters stay as many as the tenants served lately."""
+        floor = min((self.served[t] for t in self.active), default=float("inf"))
+        for tenant in [t for t, served in self.served.items() if t not in self.active and served <= floor]:
+            del self.served[tenant]
+
+    def charge(self, seq: Sequence) -> None:
+        """seq's tenant is served the positions it computes for the first time."""
+        new = seq.num_computed_tokens - seq.num_charged_tokens
+        if new > 0:
+            seq.num_charged_tokens = seq.num_computed_tokens
+            tenant = seq.tenancy.tenant
+            self.served[tenant] = self.served.get(tenant, 0.0) + new / seq.tenancy.weight
+
+
+POLICIES = {"fcfs": FirstComeFirstServed, "priority": PriorityFirst, "fair": FairShare}
+
+
+def scheduling_policy(name: str, aging_steps: int) -> FirstComeFirstServed:
+    return POLICIES[name](aging_steps)
