@@ -164,3 +164,20 @@ class LatencyHistogram:
             cumulative.append((floatToGoString(bound), running))
         family.add_metric(list(self.labels.values()), cumulative, self.total)
         yield family
+
+
+@dataclass
+class TenantLabels:
+    """A tenant's metric label, with bounded cardinality: the first `limit` tenants seen have their own (named ones,
+    given up front, always), every later one shares `other`."""
+    limit: int = 20
+    named: frozenset[str] = frozenset()
+    seen: set[str] = field(default_factory=set)
+
+    def label(self, tenant: str) -> str:
+        if tenant in self.named or tenant in self.seen:
+            return tenant
+        if len(self.seen) + len(self.named) < self.limit:
+            self.seen.add(tenant)
+            return tenant
+        return "other"

@@ -9,9 +9,10 @@ from base import event_loop
 from base.cluster_auth import add_secret_args, cluster_secrets
 from base.options import DefaultsHelpFormatter, add_arguments, add_log_level_argument, from_args
 from base.tls import add_tls_args, tls_config
-from router.api_keys import add_api_key_args, api_keys
+from router.api_keys import add_api_key_args, api_keys, key_tenants
 from router.options import RouterOptions
 from router.process import serve
+from router.tenants import parse_tenant_config
 from router.workers import run_workers
 
 
@@ -51,8 +52,11 @@ def router_options(args: argparse.Namespace) -> RouterOptions:
     """RouterOptions from the parsed flags; ValueError naming the flag that is wrong."""
     secrets, tls = cluster_secrets(args), tls_config(args)
     tls.check()
-    return from_args(RouterOptions, args, api_keys=api_keys(args), cluster_token=secrets.cluster_token,
+    options = from_args(RouterOptions, args, api_keys=api_keys(args), key_tenants=key_tenants(args),
+                     cluster_token=secrets.cluster_token,
                      redis_password=secrets.redis_password, tls=tls, reuse_port=args.reuse_port)
+    parse_tenant_config(options.tenant_config)   # ValueError naming what is wrong, before serving
+    return options
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from router.retry import RetryGovernor
 from router.router_telemetry import RequestObservation, RouterTelemetry
 from router.shared_limits import SharedKeyLimiter
 from router.stream_state import SampleState, StreamState
+from router.tenant_admission import TenantAdmission, TenantTicket
+from router.tenants import Tenant, TenantDirectory
 from router.tokenizer import RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
 
@@ -77,22 +79,28 @@ class Router:
     connections: dict[str, SchedulerConnection] = field(default_factory=dict)   # by scheduler address
     retries: RetryGovernor = field(default_factory=RetryGovernor)
     key_limiter: KeyLimiter | SharedKeyLimiter = field(default_factory=KeyLimiter)
+    tenants: TenantDirectory = field(default_factory=TenantDirectory)
+    tenant_admission: TenantAdmission = field(default_factory=TenantAdmission)
 
     def __post_init__(self) -> None:
         self.telemetry.metrics.watch_breakers(self.retries.states)
 
     async def generate(self, request: router_pb2.GenerateRequest, trace_parent: Context | None = None,
-                       hold: bool = False, api_key: str = "") -> AsyncIterator[router_pb2.GenerateResponse]:
+                       hold: bool = False, api_key: str = "", tenant_header: str = ""
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Yields the request's responses; `trace_parent` is the caller's trace context (gRPC or HTTP). With
         `hold` (a caller that answers only at the end) nothing is yielded before the request is done, so a failed
-        scheduler's request can be retried at any point. `api_key`: the client's key, which its limits count."""
+        scheduler's request can be retried at any point. `api_key`: the client's key, which its limits count;
+        `tenant_header`: the tenant a trusted caller names (router/tenants.py)."""
         self.admit()
+        tenant = self.tenant_of(api_key, tenant_header, request.priority)
         self.in_flight += 1
-        observed = self.telemetry.start(trace_parent)
-        lease, sent = self.key_limiter.lease(api_key), False
+        observed = self.telemetry.start(trace_parent, tenant.name)
+        lease, ticket, sent = self.key_limiter.lease(api_key), self.tenant_admission.ticket(tenant), False
         try:
-            async with contextlib.aclosing(await self.route(request, observed, lease, hold)) as responses:
+            async with contextlib.aclosing(await self.route(request, observed, lease, ticket, hold)) as responses:
                 async for response in responses:
+                    ticket.started()
                     observed.on_response(response)
                     lease.charge(len(response.token_ids))
                     sent = True
@@ -104,6 +112,7 @@ class Router:
             raise
         finally:
             self.in_flight -= 1
+            ticket.release()
             observed.finish()
             await lease.release()   # written before the client sees the end, so its next request sees it
 
@@ -113,10 +122,21 @@ class Router:
                                f"the router is at its limit of {self.max_concurrent_requests} concurrent requests; "
                                "retry later")
 
+    def tenant_of(self, api_key: str, tenant_header: str, priority: int) -> Tenant:
+        try:
+            tenant = self.tenants.resolve(api_key, tenant_header)
+        except StatusError as e:
+            raise RequestError(e.code, e.message) from e
+        try:
+            tenant.policy.check_priority(tenant.name, priority)
+        except StatusError as e:
+            raise RequestError(e.code, e.message, param="priority") from e
+        return tenant
+
     async def route(self, request: router_pb2.GenerateRequest, observed: RequestObservation, lease: KeyLease,
-                    hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Validate and tokenize; admit it under its key's limits (`lease`), charging its prompt; rank the
-        schedulers; the request's responses from the one that takes it."""
+                    ticket: TenantTicket, hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Validate and tokenize; admit it under its key's limits (`lease`), charging its prompt, and its tenant's
+        (`ticket`); rank the schedulers; the request's responses from the one that takes it."""
         params = parse_sampling(request)
         candidates = self.candidates(request.model)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
@@ -124,6 +144,7 @@ class Router:
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
         check_prompt(prompt_ids, params, candidates[0])
         await admit_key(lease, len(prompt_ids))
+        admit_tenant(ticket, len(prompt_ids))
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
         request_id = request.request_id or uuid.uuid4().hex
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
@@ -139,7 +160,9 @@ class Router:
                                scored_prompt=prompt_ids if params.prompt_logprobs is not None else None)
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
-                                                 sampling=request.sampling)   # validated (params), sent as it came
+                                                 sampling=request.sampling,   # validated (params), sent as it came
+                                                 tenant=ticket.tenant.name, priority=request.priority,
+                                                 tenant_weight=ticket.tenant.policy.weight)
         observed.routed(request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         return self.proxy(plan.targets, upstream, new_state, observed, hold)
@@ -288,6 +311,13 @@ def resumed_request(upstream: scheduler_pb2.ScheduleRequest, state: StreamState)
 async def admit_key(lease: KeyLease, prompt_tokens: int) -> None:
     try:
         await lease.admit(prompt_tokens)
+    except OverLimit as e:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after) from e
+
+
+def admit_tenant(ticket: TenantTicket, prompt_tokens: int) -> None:
+    try:
+        ticket.admit(prompt_tokens)
     except OverLimit as e:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message, e.retry_after) from e
 

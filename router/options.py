@@ -28,6 +28,13 @@ class RouterOptions:
     http_port: int = option(8000, "OpenAI-compatible HTTP port; 0: no HTTP")
     http_limits: HttpLimits = nested(HttpLimits())   # connections, header and body timeouts
     api_keys: list[str] = no_flag([])   # --api-key, --api-key-file, $FERRY_API_KEY (router/api_keys.py); none: no key
+    key_tenants: dict[str, str] = no_flag({})   # --api-key-file's 'KEY TENANT' lines
+    tenant_config: str = option("", "what each tenant may do, as a JSON object, inline or a file's path: {\"tenants\": "
+                                    "{NAME: {\"weight\", \"priority\": [low, high], \"max_concurrent_requests\", "
+                                    "\"max_queued_tokens\"}}, \"default\": {...}} (router/tenants.py)")
+    shed_queued_requests: int = option(0, "when this many of the router's requests wait for their first token (the "
+                                          "cluster is saturated), a new one is refused with 429 if its tenant holds "
+                                          "its weighted share of them or more; 0: never shed")
     max_concurrent_requests: int = option(4096, "streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
     max_request_bytes: int = option(MAX_REQUEST_BYTES, "largest HTTP body (larger: 413) or gRPC message accepted")
     drain_timeout: float = option(DRAIN_TIMEOUT_S, "on SIGTERM, seconds in-flight streams get to finish")

@@ -24,6 +24,8 @@ from router.policy import POLICIES
 from router.retry import RetryGovernor
 from router.router_telemetry import RouterTelemetry
 from router.shared_limits import key_limiter
+from router.tenant_admission import TenantAdmission
+from router.tenants import TENANT_HEADER, tenant_directory
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"GenerateRequest does not parse: {e}")
         try:
             trace_parent = extract_metadata(context.invocation_metadata())
-            async for response in self.router.generate(request, trace_parent, api_key=api_key):
+            tenant_header = str(dict(context.invocation_metadata() or ()).get(TENANT_HEADER, ""))
+            async for response in self.router.generate(request, trace_parent, api_key=api_key,
+                                                       tenant_header=tenant_header):
                 yield response
         except RequestError as e:
             await context.abort(e.code, e.message, trailing_metadata=retry_after(e))
@@ -91,9 +95,13 @@ async def serve(options: RouterOptions) -> int:
     await directory.start()
     tracing = setup_tracing("ferry-router")
     limiter = key_limiter(options.key_limits, options.redis_url, options.redis_password)
-    router = Router(directory, POLICIES[options.policy](), telemetry=RouterTelemetry(tracing=tracing),
+    tenants = tenant_directory(options.tenant_config, options.key_tenants, bool(options.api_keys))
+    telemetry = RouterTelemetry(tracing=tracing)
+    telemetry.metrics.tenants.named = frozenset(tenants.policies)
+    router = Router(directory, POLICIES[options.policy](), telemetry=telemetry,
                     max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry),
-                    key_limiter=limiter)
+                    key_limiter=limiter, tenants=tenants,
+                    tenant_admission=TenantAdmission(options.shed_queued_requests))
     http = None
     if options.http_port:
         http = await start_http(router, directory, options)

@@ -14,11 +14,12 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from base.telemetry import TRACING_OFF, LatencyHistogram, TraceContextMiddleware, Tracing, inject_metadata
+from base.telemetry import (LATENCY_BUCKETS, TRACING_OFF, LatencyHistogram, TenantLabels, TraceContextMiddleware,
+                            Tracing, inject_metadata)
 from protos import router_pb2
 from protos.finish_reasons import FINISH_REASON_NAMES
 from protos.registration import SchedulerInfo
@@ -53,6 +54,16 @@ class RouterMetrics:
                                       ["reason"], registry=r)
         self.breaker_trips = Counter("ferry:router_breaker_trips", "Times this scheduler's circuit breaker opened.",
                                      ["scheduler_id"], registry=r)
+        self.tenants = TenantLabels()
+        self.tenant_requests = Counter("ferry:tenant_requests", "Requests by tenant (the first 20 seen by name, the "
+                                       "rest as other) and outcome: finished, failed.", ["tenant", "outcome"],
+                                       registry=r)
+        self.tenant_prompt_tokens = Counter("ferry:tenant_prompt_tokens", "Prompt tokens of finished requests, by "
+                                            "tenant.", ["tenant"], registry=r)
+        self.tenant_generation_tokens = Counter("ferry:tenant_generation_tokens", "Tokens streamed to clients, by "
+                                                "tenant.", ["tenant"], registry=r)
+        self.tenant_ttft = Histogram("ferry:tenant_time_to_first_token_seconds", "Arrival at the router to first "
+                                     "token out, by tenant.", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
 
     def watch_breakers(self, states: Callable[[], Mapping[str, int]]) -> None:
         """Publish each scheduler's breaker state as read at scrape time (it moves with the clock)."""
@@ -80,12 +91,13 @@ class RouterTelemetry:
     tracing: Tracing = TRACING_OFF
     clock: Callable[[], float] = time.monotonic
 
-    def start(self, trace_parent: Context | None) -> RequestObservation:
+    def start(self, trace_parent: Context | None, tenant: str = "") -> RequestObservation:
         span = None
         if self.tracing.enabled:
-            span = self.tracing.tracer.start_span("router.generate", context=trace_parent, kind=SpanKind.SERVER)
+            span = self.tracing.tracer.start_span("router.generate", context=trace_parent, kind=SpanKind.SERVER,
+                                                  attributes={"ferry.tenant": tenant})
         self.metrics.running.inc()
-        return RequestObservation(self, self.clock(), span)
+        return RequestObservation(self, self.clock(), span, tenant=self.metrics.tenants.label(tenant))
 
     def instrument(self, app: FastAPI) -> None:
         """/metrics on the router's HTTP app; an incoming `traceparent` parents the spans of its requests."""
@@ -106,6 +118,7 @@ class RequestObservation:
     num_generated: int = 0
     finish_reason: str = ""
     metadata: tuple[tuple[str, str], ...] = ()
+    tenant: str = ""                   # its metric label
 
     def __post_init__(self) -> None:
         if self.span is not None:
@@ -157,6 +170,7 @@ class RequestObservation:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.ttft.observe(now - self.arrival)
+                metrics.tenant_ttft.labels(self.tenant).observe(now - self.arrival)
                 if self.span is not None:
                     self.span.add_event("first_token")
             elif now > self.last_token_at:
@@ -168,6 +182,7 @@ class RequestObservation:
 
     def fail(self, code: str, message: str) -> None:
         self.telemetry.metrics.failed.labels(code).inc()
+        self.telemetry.metrics.tenant_requests.labels(self.tenant, "failed").inc()
         if self.span is not None:
             self.span.set_status(Status(StatusCode.ERROR, message))
             self.span.set_attribute("ferry.error_code", code)
@@ -176,10 +191,13 @@ class RequestObservation:
         metrics, now = self.telemetry.metrics, self.telemetry.clock()
         metrics.running.dec()
         metrics.generation_tokens.inc(self.num_generated)
+        metrics.tenant_generation_tokens.labels(self.tenant).inc(self.num_generated)
         if self.finish_reason:
             metrics.e2e.observe(now - self.arrival)
             metrics.finished.labels(self.finish_reason).inc()
             metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            metrics.tenant_requests.labels(self.tenant, "finished").inc()
+            metrics.tenant_prompt_tokens.labels(self.tenant).inc(self.num_prompt_tokens)
         if self.span is not None:
             self.span.set_attributes({"ferry.finish_reason": self.finish_reason or "none",
                                       "ferry.num_generated_tokens": self.num_generated})

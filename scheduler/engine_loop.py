@@ -103,7 +103,7 @@ class EngineLoop:
             self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [], sampling,
                                        tenancy)
             self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
-        self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent)
+        self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent, tenancy.tenant)
         stream = RequestStream(request_id, params.n, outputs)
         self.streams[request_id] = stream
         self.wakeup.set()

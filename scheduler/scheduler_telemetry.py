@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
-from prometheus_client import CollectorRegistry, Counter, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from base.telemetry import TRACING_OFF, LatencyHistogram, Tracing, traceparent
+from base.telemetry import LATENCY_BUCKETS, TRACING_OFF, LatencyHistogram, TenantLabels, Tracing, traceparent
 from protos import scheduler_pb2, worker_pb2
 from scheduler.core import RequestOutput
 from scheduler.stats_log import StatsFn, StatsLogger, kv_cache_usage
@@ -105,6 +105,11 @@ class SchedulerMetrics:
                                    "and the start of the next (what async scheduling takes away while there is work; "
                                    "also the waits when there is none).", ["model_name"],
                                    registry=self.registry).labels(model_name)
+        self.tenants = TenantLabels()
+        self.tenant_queue_time = Histogram("ferry:tenant_queue_time_seconds", "Arrival at the scheduler to the first "
+                                           "step that computes the request, by tenant (the first 20 seen by name, the "
+                                           "rest as other).", ["model_name", "tenant"], buckets=LATENCY_BUCKETS,
+                                           registry=self.registry)
         self.worker_busy = Counter("ferry:worker_step_seconds", "Time the worker spent in its forward passes and "
                                    "sampling.", ["model_name"], registry=self.registry).labels(model_name)
 
@@ -128,6 +133,8 @@ class RequestRecord:
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
     seq_ids_sent: set[str] = field(default_factory=set)
+    tenant: str = ""                   # its metric label
+    queue_time_observed: bool = False
 
 
 def request_id_of(seq_id: str) -> str:
@@ -145,8 +152,9 @@ class SchedulerTelemetry:
         self.records: dict[str, RequestRecord] = {}
 
     def on_arrival(self, request_id: str, num_prompt_tokens: int, num_samples: int,
-                   parent: Context | None = None) -> None:
-        record = RequestRecord(self.clock(), num_samples, num_prompt_tokens)
+                   parent: Context | None = None, tenant: str = "") -> None:
+        record = RequestRecord(self.clock(), num_samples, num_prompt_tokens,
+                               tenant=self.metrics.tenants.label(tenant or "default"))
         if self.tracing.enabled:
             record.span = self.tracing.tracer.start_span(
                 "scheduler.request", context=parent, kind=SpanKind.SERVER,
@@ -157,7 +165,10 @@ class SchedulerTelemetry:
         self.records[request_id] = record
 
     def on_step(self, step: worker_pb2.StepRequest) -> None:
-        """Prefill chunks, scheduling and resumption events; names the served requests in the step."""
+        """Queue times; with tracing, prefill chunks, scheduling and resumption events, and the served requests'
+        names in the step."""
+        if step.new_seqs:
+            self.observe_queue_times(step.new_seqs)
         if not self.tracing.enabled:
             return
         now, served = self.clock(), {}
@@ -172,6 +183,15 @@ class SchedulerTelemetry:
                 self.on_prefill_chunk(record, seq.num_computed_tokens, seq.num_scheduled_tokens)
                 served[record.traceparent] = None
         step.traceparents.extend(served)
+
+    def observe_queue_times(self, new_seqs) -> None:
+        now = self.clock()
+        for seq in new_seqs:
+            record = self.records.get(request_id_of(seq.seq_id))
+            if record is not None and not record.queue_time_observed:
+                record.queue_time_observed = True
+                self.metrics.tenant_queue_time.labels(self.metrics.model_name, record.tenant).observe(
+                    now - record.arrival)
 
     def on_new_sequence(self, record: RequestRecord, seq: worker_pb2.NewSequence, now: float) -> None:
         if record.scheduled_at is None:

@@ -24,8 +24,10 @@ from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tool_calls import add_grammar, detect_parser, tool_plan
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
+from router.tenants import TENANT_HEADER
 
-GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]   # (request, *, hold=False, api_key="")
+# (request, *, hold=False, api_key="", tenant_header="")
+GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]
 
 
 @dataclass
@@ -86,12 +88,13 @@ class OpenAIServer:
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:
         api_key = getattr(request.state, "api_key", "")
+        tenant_header = request.headers.get(TENANT_HEADER, "")
         if stream:
-            responses = await started(self.generate(generate_request, api_key=api_key))
+            responses = await started(self.generate(generate_request, api_key=api_key, tenant_header=tenant_header))
             return StreamingResponse(sse_events(responses, fmt, num_samples), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         # held to the end by the router, so a failed scheduler's work can be retried at any point
-        responses = self.generate(generate_request, hold=True, api_key=api_key)
+        responses = self.generate(generate_request, hold=True, api_key=api_key, tenant_header=tenant_header)
         collected = await unless_disconnected(request, collect(responses, num_samples))   # or ClientGone: 499
         return JSONResponse(fmt.body(collected))
 

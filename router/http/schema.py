@@ -68,6 +68,7 @@ class SamplingRequest(PlainSamplingFields):
     guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
     stream_interval: UINT32 | None = None   # tokens per streamed chunk (a Ferry extension; vLLM has it per server)
+    priority: INT32 | None = None           # vLLM's: lower is served first (--scheduling-policy priority or fair)
 
     @property
     def include_usage(self) -> bool:
@@ -139,7 +140,7 @@ class CompletionRequest(SamplingRequest):
         max_tokens = 1 if self.prompt_only else self.max_tokens   # its one token is dropped from the response
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
                                              sampling=self.sampling(max_tokens, self.logprobs),
-                                             stream_interval=self.stream_interval or 0)
+                                             stream_interval=self.stream_interval or 0, priority=self.priority or 0)
         if self.prompt_top_logprobs is not None:
             request.sampling.prompt_logprobs = self.prompt_top_logprobs
         prompt = fim_prompt(self.single_prompt, self.suffix, tokenizer) if self.suffix else self.single_prompt
@@ -261,7 +262,7 @@ class ChatCompletionRequest(SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         request = router_pb2.GenerateRequest(request_id=request_id, model=model,
                                              sampling=self.sampling(max_tokens, logprobs),
-                                             stream_interval=self.stream_interval or 0)
+                                             stream_interval=self.stream_interval or 0, priority=self.priority or 0)
         if prompt_ids is None:
             request.chat.CopyFrom(self.chat())
         else:

@@ -50,7 +50,8 @@ def request_of(kind: str, num_chars: int) -> router_pb2.GenerateRequest:
 
 
 async def route(router: Router, request: router_pb2.GenerateRequest) -> None:
-    responses = await router.route(request, router.telemetry.start(None), router.key_limiter.lease(""))
+    responses = await router.route(request, router.telemetry.start(None), router.key_limiter.lease(""),
+                                   router.tenant_admission.ticket(router.tenants.tenant("default")))
     await responses.aclose()   # routed, not sent: nothing dials the scheduler
 
 
