@@ -26,18 +26,20 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
+from base.cluster_auth import token_metadata
 from base.options import DefaultsHelpFormatter, add_arguments, from_args, option
 from benchmarks.common.cli_args import add_model_args, bench_parser, machine, model_dir, report
 from benchmarks.services.serve import percentiles
 from benchmarks.services.served_stack import ServedStack
 from ferry.launcher import free_port
+from protos import scheduler_pb2, scheduler_pb2_grpc
 
-SETTLE_S = 2.0   # after a phase, for the requests it cancelled to leave the schedulers
+DRAIN_TIMEOUT_S = 120.0
 
 
 class RawDescriptionDefaultsFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
@@ -83,14 +85,16 @@ class Answer:
         return self.token_times[0] - self.sent
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prompts:
-    """Random token ids per (tenant, request number): different for every request, the same for a seed."""
+    """Random token ids per (phase, tenant, request number): different for every request of a stack's phases, so no
+    phase hits the prefix cache another filled, and the same for a seed (each policy's stack gets the same)."""
     seed: int
     vocab_size: int
+    phase: str = ""
 
     def ids(self, load: Load, number: int) -> list[int]:
-        rng = random.Random(f"{self.seed}:{load.tenant}:{number}")
+        rng = random.Random(f"{self.seed}:{self.phase}:{load.tenant}:{number}")
         low, high = self.vocab_size // 8, self.vocab_size - self.vocab_size // 8   # clear of special tokens
         return [rng.randrange(low, high) for _ in range(load.prompt_tokens)]
 
@@ -177,7 +181,6 @@ async def run_phase(base_url: str, prompts: Prompts, options: TenantBenchOptions
         for task in streams:
             task.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-    await asyncio.sleep(SETTLE_S)
     phase = {}
     if light:
         phase[light.tenant] = light_summary(light, light_answers)
@@ -195,13 +198,16 @@ def light_summary(load: Load, answers: list[Answer]) -> dict:
 
 
 def flood_summary(load: Load, answers: list[Answer], seconds: float) -> dict:
-    """Cancelled requests (those the phase's end cut) are neither answered nor errors; their tokens count."""
-    finished = [a for a in answers if a.error is None and len(a.token_times) == load.output_tokens]
+    """Requests the phase's end cancelled are neither answered nor errors: their tokens count, and their TTFT if
+    they had a first token (those still waiting for it are counted apart: the TTFT percentiles leave them out)."""
+    ok = [a for a in answers if a.error is None]
     failed = [a for a in answers if a.error]
-    tokens = sum(len(a.token_times) for a in answers if a.error is None)
-    return {"priority": load.priority, "streams_seconds": round(seconds, 2), "count": len(finished),
-            "errors": len(failed), "error_samples": sorted({a.error for a in failed})[:3],
-            "output_tokens": tokens, "output_tok_s": round(tokens / seconds, 1), "ttft_ms": ttft_ms(finished)}
+    tokens = sum(len(a.token_times) for a in ok)
+    return {"priority": load.priority, "streams_seconds": round(seconds, 2),
+            "count": sum(len(a.token_times) == load.output_tokens for a in ok),
+            "waiting_at_end": sum(not a.token_times for a in ok), "errors": len(failed),
+            "error_samples": sorted({a.error for a in failed})[:3], "output_tokens": tokens,
+            "output_tok_s": round(tokens / seconds, 1), "ttft_ms": ttft_ms([a for a in ok if a.token_times])}
 
 
 def ttft_ms(answers: list[Answer]) -> dict:
@@ -242,7 +248,8 @@ def served_run(model: str, num_schedulers: int, policy: str, options: TenantBenc
         asyncio.run(warm_up(base_url, prompts))
         phases = {}
         for name, (light, flood) in phases_of(policy, options).items():
-            phases[name] = asyncio.run(run_phase(base_url, prompts, options, light, flood))
+            phases[name] = asyncio.run(run_phase(base_url, replace(prompts, phase=name), options, light, flood))
+            phases[name]["drain_s"] = drain(stack)
             print(f"[bench] {num_schedulers} scheduler(s) {policy} {name}: {phases[name]}", file=sys.stderr,
                   flush=True)
     return {"num_schedulers": num_schedulers, "policy": policy, "phases": phases}
@@ -256,6 +263,18 @@ async def warm_up(base_url: str, prompts: Prompts) -> None:
         await asyncio.gather(*(answer_one(client, load, prompts.ids(load, n), answers) for n in range(4)))
     if any(a.error for a in answers):
         raise RuntimeError(f"the warm-up request failed: {answers[0].error}")
+
+
+def drain(stack: ServedStack) -> float:
+    """Seconds until every scheduler has no request running or waiting (those the phase cancelled gone)."""
+    metadata, started = token_metadata(stack.cluster_token), time.monotonic()
+    while time.monotonic() - started < DRAIN_TIMEOUT_S:
+        stats = [scheduler_pb2_grpc.SchedulerStub(stack.channel_to(address)).Stats(
+            scheduler_pb2.StatsRequest(), timeout=5, metadata=metadata) for address in stack.schedulers]
+        if not any(s.num_running or s.num_waiting for s in stats):
+            return round(time.monotonic() - started, 2)
+        time.sleep(0.1)
+    raise RuntimeError(f"the schedulers still had requests {DRAIN_TIMEOUT_S:.0f}s after the phase")
 
 
 def vocab_size(model: str) -> int:
