@@ -46,6 +46,8 @@ BENCHMARKS = {
                                                            "tracing off and on"),
     "async": Bench("benchmarks.services.async_scheduling", "async scheduling on vs off through `ferry up`, "
                                                            "alternating rounds"),
+    "tenants": Bench("benchmarks.services.multi_tenant", "a light tenant's TTFT alone and beside a flooding one, "
+                                                         "and priorities, under each scheduling policy"),
     "chaos": Bench("benchmarks.services.chaos", "faults injected into `ferry up` under streaming load: requests "
                                                 "lost, hung or answered differently, and the time to recover"),
     "router": Bench("benchmarks.services.router_capacity", "tokens/s one router relays and its CPU per token, "
