@@ -18,6 +18,7 @@ from base.tls import TlsConfig, add_tls_args, tls_config
 from ferry.stack import Stack
 from ferry.supervisor import Supervisor
 from router.options import RouterOptions
+from router.tenants import parse_tenant_config
 from scheduler.options import ServeOptions
 
 STARTUP_TIMEOUT_S = 600.0
@@ -203,6 +204,7 @@ def raise_interrupt(*_) -> None:
 def run_up(args: argparse.Namespace) -> int:
     try:
         from_args(EngineConfig, args).validate()   # a bad flag stops here, before any process starts
+        parse_tenant_config(args.tenant_config)
     except ValueError as e:
         print(f"ferry up: error: {e}", file=sys.stderr, flush=True)
         return 2

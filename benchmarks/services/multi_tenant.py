@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from base.cluster_auth import token_metadata
 from base.options import DefaultsHelpFormatter, add_arguments, from_args, option
@@ -61,6 +62,8 @@ class TenantBenchOptions:
     num_schedulers: str = option("1", "comma list of scheduler counts, a fresh `ferry up` for each")
     max_num_seqs: int = option(0, "sequences a scheduler runs at once; 0: the engine's default")
     kv_cache_memory: int = option(0, "KV cache bytes per scheduler; 0: the engine's default")
+    max_num_batched_tokens: int = option(0, "tokens a step computes at most (a shorter step is a shorter wait for "
+                                            "a newcomer); 0: the engine's default")
     seed: int = option(0, "seed of the prompts")
 
 
@@ -226,30 +229,35 @@ def phases_of(policy: str, options: TenantBenchOptions) -> dict[str, tuple[Load 
 
 
 def up_args(model: str, num_schedulers: int, policy: str, http_port: int, options: TenantBenchOptions,
-            dtype: str) -> list[str]:
+            dtype: str, metrics_port: int) -> list[str]:
     flags = ["--model", model, "--dtype", dtype, "--num-schedulers", str(num_schedulers),
-             "--http-port", str(http_port)]
+             "--http-port", str(http_port), "--metrics-port", str(metrics_port)]
     if policy != "fcfs":   # the default; no flag, so the bench runs on servers without --scheduling-policy
         flags += ["--scheduling-policy", policy]
     if options.max_num_seqs:
         flags += ["--max-num-seqs", str(options.max_num_seqs)]
     if options.kv_cache_memory:
         flags += ["--kv-cache-memory", str(options.kv_cache_memory)]
+    if options.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
     return flags
 
 
 def served_run(model: str, num_schedulers: int, policy: str, options: TenantBenchOptions, dtype: str) -> dict:
     """One fresh `ferry up`: a warm-up request, then the policy's phases in turn."""
-    http_port = free_port()
+    http_port, metrics_port = free_port(), free_port()   # scheduler i answers /metrics on metrics_port + i
     base_url = f"http://127.0.0.1:{http_port}"
+    metrics_urls = [f"http://127.0.0.1:{metrics_port + i}/metrics" for i in range(num_schedulers)]
     prompts = Prompts(options.seed, vocab_size(model))
-    with ServedStack(up_args(model, num_schedulers, policy, http_port, options, dtype)) as stack:
+    with ServedStack(up_args(model, num_schedulers, policy, http_port, options, dtype, metrics_port)) as stack:
         stack.wait_ready(num_schedulers)
         asyncio.run(warm_up(base_url, prompts))
         phases = {}
         for name, (light, flood) in phases_of(policy, options).items():
+            before = queue_times(metrics_urls)
             phases[name] = asyncio.run(run_phase(base_url, replace(prompts, phase=name), options, light, flood))
             phases[name]["drain_s"] = drain(stack)
+            add_queue_times(phases[name], before, queue_times(metrics_urls))
             print(f"[bench] {num_schedulers} scheduler(s) {policy} {name}: {phases[name]}", file=sys.stderr,
                   flush=True)
     return {"num_schedulers": num_schedulers, "policy": policy, "phases": phases}
@@ -275,6 +283,30 @@ def drain(stack: ServedStack) -> float:
             return round(time.monotonic() - started, 2)
         time.sleep(0.1)
     raise RuntimeError(f"the schedulers still had requests {DRAIN_TIMEOUT_S:.0f}s after the phase")
+
+
+def queue_times(metrics_urls: list[str]) -> dict[str, list[float]]:
+    """Each tenant's [seconds, requests] of scheduler queue time so far (ferry:tenant_queue_time_seconds, from a
+    request's arrival at its scheduler to the step that first computes it), summed over the schedulers."""
+    totals: dict[str, list[float]] = {}
+    for url in metrics_urls:
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            if family.name != "ferry:tenant_queue_time_seconds":
+                continue
+            for sample in family.samples:
+                kind = {"ferry:tenant_queue_time_seconds_sum": 0, "ferry:tenant_queue_time_seconds_count": 1}
+                if sample.name in kind:
+                    totals.setdefault(sample.labels["tenant"], [0.0, 0.0])[kind[sample.name]] += sample.value
+    return totals
+
+
+def add_queue_times(phase: dict, before: dict[str, list[float]], after: dict[str, list[float]]) -> None:
+    """The mean scheduler queue time of each of the phase's tenants, in ms: what the policy decides (TTFT adds the
+    steps in flight when a request arrives and its own)."""
+    for tenant, entry in phase.items():
+        if isinstance(entry, dict) and tenant in after:
+            seconds, count = (a - b for a, b in zip(after[tenant], before.get(tenant, [0.0, 0.0])))
+            entry["scheduler_queue_ms_mean"] = round(seconds / count * 1e3, 1) if count else None
 
 
 def vocab_size(model: str) -> int:

@@ -59,21 +59,25 @@ def test_ratios_compare_each_policy_with_the_loads_alone_and_fair_with_fcfs():
 def test_tenants_bench_answers_every_phase_of_a_small_served_load(tiny_llama_dir):
     out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "tenants", "--json", "--model",
                           str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-memory", "4000000", "--policies",
-                          "fcfs", "--duration", "2", "--light-rate", "2", "--light-prompt-tokens", "8",
+                          "fcfs,fair", "--duration", "2", "--light-rate", "2", "--light-prompt-tokens", "8",
                           "--light-output-tokens", "4", "--flood-streams", "4", "--flood-prompt-tokens", "32",
-                          "--flood-output-tokens", "16"], capture_output=True, text=True, timeout=240)
+                          "--flood-output-tokens", "16"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    [run] = result["runs"]
-    assert set(run["phases"]) == {"light_alone", "flood_alone", "flood_and_light", "priority_mix"}
-    for phase in run["phases"].values():
-        assert phase.pop("drain_s") >= 0
-        for tenant in phase.values():
-            assert tenant["count"] > 0 and tenant["errors"] == 0
-            assert 0 < tenant["ttft_ms"]["p50"] <= tenant["ttft_ms"]["p90"]
+    fcfs, fair = result["runs"]
+    assert set(fcfs["phases"]) == {"light_alone", "flood_alone", "flood_and_light", "priority_mix"}
+    assert set(fair["phases"]) == {"flood_and_light", "priority_mix"} and fair["policy"] == "fair"
+    for run in (fcfs, fair):
+        for phase in run["phases"].values():
+            assert phase.pop("drain_s") >= 0
+            for tenant in phase.values():
+                assert tenant["count"] > 0 and tenant["errors"] == 0
+                assert 0 < tenant["ttft_ms"]["p50"] <= tenant["ttft_ms"]["p90"]
+                assert tenant["scheduler_queue_ms_mean"] >= 0   # read off the schedulers' metrics by tenant
     for phase, tenant in [("light_alone", "light"), ("flood_and_light", "light"), ("priority_mix", "interactive")]:
-        assert run["phases"][phase][tenant]["sent"] == 4 and run["phases"][phase][tenant]["mean_output_tokens"] == 4
-    assert run["phases"]["flood_alone"]["flood"]["output_tok_s"] > 0
-    assert run["phases"]["priority_mix"]["batch"]["priority"] == 1
-    assert result["ratios"]["1"]["light_p90_flooded_over_alone"]["fcfs"] > 0
+        assert fcfs["phases"][phase][tenant]["sent"] == 4 and fcfs["phases"][phase][tenant]["mean_output_tokens"] == 4
+    assert fcfs["phases"]["flood_alone"]["flood"]["output_tok_s"] > 0
+    assert fcfs["phases"]["priority_mix"]["batch"]["priority"] == 1
+    assert result["ratios"]["1"]["light_p90_flooded_over_alone"]["fair"] > 0
+    assert result["ratios"]["1"]["flood_tok_s_fair_over_fcfs"] > 0
     assert result["cpu_model"]

@@ -193,10 +193,15 @@ def test_stop_keeps_redis_up_until_the_services_have_exited():
     assert redis_stand_in.poll() is not None
 
 
-def test_a_bad_engine_flag_stops_ferry_up_before_any_process_starts():
+@pytest.mark.parametrize("flags, error", [
+    (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method: 'eagle' is not supported"),
+    (["--tenant-config", '{"tenants": {"a": {"weight": -1}}}'], "tenants.a: weight must be positive"),
+    (["--scheduling-policy", "lottery"], "invalid choice: 'lottery'"),
+])
+def test_a_bad_engine_flag_stops_ferry_up_before_any_process_starts(flags, error):
     marker = f"FERRY_TEST_MARKER={uuid.uuid4().hex}"
-    done = subprocess.run([FERRY, "up", "--speculative-config", '{"method": "eagle"}'], capture_output=True,
+    done = subprocess.run([FERRY, "up", *flags], capture_output=True,
                           text=True, timeout=60, env={**os.environ, marker.split("=")[0]: marker.split("=")[1]})
     assert done.returncode == 2
-    assert "speculative_config.method: 'eagle' is not supported" in done.stderr
+    assert error in done.stderr
     assert not processes_with_marker(marker)
