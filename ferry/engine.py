@@ -13,6 +13,7 @@ from protos import scheduler_pb2, worker_pb2
 from protos.common_pb2 import TokenLogprob
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput
+from scheduler.sequence import DEFAULT_TENANCY, Tenancy
 
 
 @dataclass
@@ -77,9 +78,11 @@ class Engine:
         check_token_ids(prompt, self.info.vocab_size)
         return list(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    tenancy: Tenancy = DEFAULT_TENANCY) -> list[int]:
+        """tenancy: the request's tenant and priority, for --scheduling-policy."""
         token_ids = self.encode(prompt)
-        self.scheduler.add_request(request_id, token_ids, params)
+        self.scheduler.add_request(request_id, token_ids, params, tenancy=tenancy)
         return token_ids
 
     def step(self) -> list[RequestOutput]:

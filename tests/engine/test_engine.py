@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ferry import SamplingParams
+from scheduler.sequence import Tenancy
 from tests.conftest import transformers_greedy
 from tests.engine_fixtures import hf_model, kv_bytes_for, random_prompts, tiny_engine
 
@@ -38,6 +39,22 @@ def test_preempted_requests_finish_with_the_same_tokens(tiny_llama_dir, prompts,
     results = engine.generate(prompts, GREEDY)
     assert engine.stats().num_preemptions > 0
     assert [r.token_ids for r in results] == reference
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_any_scheduling_policy_under_preemption_gives_the_same_tokens(tiny_llama_dir, prompts, reference, policy):
+    """Requests of two tenants and three priorities in a pool that preempts: each finishes with transformers' tokens,
+    whatever order the policy served them in."""
+    engine = tiny_engine(tiny_llama_dir, kv_cache_memory=kv_bytes_for(tiny_llama_dir, 24), max_model_len=64,
+                         scheduling_policy=policy, priority_aging_steps=8)
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY, Tenancy("ab"[i % 2], priority=i % 3))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.stats().num_preemptions > 0
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
 
 
 def test_prompts_chunked_by_a_small_token_budget_give_the_same_tokens(tiny_llama_dir, prompts, reference):
