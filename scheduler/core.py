@@ -1,9 +1,10 @@
 """The continuous-batching scheduler: one token budget per step, shared by decodes and prefill chunks.
 
-Each step running sequences get their next tokens first (a decode: one token; an unfinished prefill: its next
-chunk), then waiting sequences are admitted in arrival order while the budget, max_num_seqs and the KV pool
-allow. When the pool runs dry, the newest running sequence is preempted: it yields every block and goes back to
-the front of the queue, to be recomputed later.
+Each step the running decodes get their next token first; the rest of the budget goes to unfinished prefills (their
+next chunk) and waiting sequences, in the order of --scheduling-policy (scheduler/scheduling_policy.py; fcfs: the
+running prefills, then the queue in arrival order), while the budget, max_num_seqs and the KV pool allow. When the
+pool runs dry, the running sequence the policy ranks last (fcfs: the newest) is preempted: it yields every block
+and goes back to the queue, to be recomputed later.
 
 A step's bookkeeping is done when it is built: its tokens count as computed, and each sequence it samples for
 holds a pending token, whose position the next step may already compute (the worker knows the token by then).
@@ -83,7 +84,8 @@ class Scheduler:
         self.draft_masks: dict[str, list] = {}    # and the masks of the constrained ones' sampled positions
         self.lookahead = 0                        # the step being scheduled: KV slots reserved for a draft model
         self.speculating = False                  # and whether its decodes get proposals
-        self.policy = scheduling_policy(config.scheduling_policy, config.priority_aging_steps)
+        self.policy = scheduling_policy(config.scheduling_policy, config.priority_aging_steps,
+                                        config.max_num_batched_tokens)
         self.num_seats = 0                        # the step being scheduled: batch slots taken
 
     # --- requests ------------------------------------------------------------------------------------
@@ -246,7 +248,8 @@ class Scheduler:
                                              overloaded=overloaded))
 
     def make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Free blocks for seq by preempting the newest running sequences; False if seq itself was preempted."""
+        """Free blocks for seq by preempting the running sequences the policy ranks last (fcfs: the newest); False
+        if seq itself was preempted."""
         self.block_manager.free_blocks_before_window(seq)
         while not self.block_manager.append_slots(seq, num_tokens):
             victim = self.policy.victim(self.running, self.counters.steps)
@@ -261,10 +264,12 @@ class Scheduler:
         seats = self.seats(seq)
         if not self.may_join(seq) or not self.may_sample(seq) or not self.seat(seq, seats):
             return False
-        hits = self.block_manager.match_prefix(seq)
-        num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
-        samples = len(hits) * self.block_size + num_tokens == seq.num_tokens
-        while not self.block_manager.allocate(seq, hits, num_tokens + self.lookahead * samples):
+        while True:   # each preemption frees blocks: the prefix is matched again against what is left
+            hits = self.block_manager.match_prefix(seq)
+            num_tokens = min(seq.num_tokens - len(hits) * self.block_size, self.budget)
+            samples = len(hits) * self.block_size + num_tokens == seq.num_tokens
+            if self.block_manager.allocate(seq, hits, num_tokens + self.lookahead * samples):
+                break
             if not self.preempt_for(seq):
                 return False
         self.waiting.remove(seq)

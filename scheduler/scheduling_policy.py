@@ -11,7 +11,8 @@ budget, between running prefills and waiting sequences.
   time counts (prompt and output; a recompute after preemption does not, a cached prefix is free). A tenant that
   becomes active starts level with the least-served active tenant, so idle time banks no credit: a newcomer is
   served within one step budget of everyone else's work. Preemption takes from the lowest band, most-served tenant
-  first; a waiting sequence may preempt a running one of a worse band, or of its band and a tenant served more.
+  first; a waiting sequence may preempt a running one of a worse band, or of its band and a tenant served more by
+  over one step's budget (the margin keeps two tenants from preempting each other back and forth).
 
 Aging, so that no band waits forever: a request's effective priority is its priority less one for every
 `priority_aging_steps` steps since it arrived. A request of priority p behind a stream of newer requests of
@@ -25,8 +26,9 @@ from scheduler.sequence import Sequence, Tenancy
 
 
 class FirstComeFirstServed:
-    def __init__(self, aging_steps: int = 1):
+    def __init__(self, aging_steps: int = 1, step_budget: int = 0):
         self.aging_steps = aging_steps
+        self.step_budget = step_budget
 
     def order(self, prefills: list[Sequence], waiting: list[Sequence], step: int) -> list[Sequence]:
         return [*prefills, *waiting]
@@ -66,8 +68,8 @@ class PriorityFirst(FirstComeFirstServed):
 
 
 class FairShare(PriorityFirst):
-    def __init__(self, aging_steps: int = 1):
-        super().__init__(aging_steps)
+    def __init__(self, aging_steps: int = 1, step_budget: int = 0):
+        super().__init__(aging_steps, step_budget)
         self.served: dict[str, float] = {}     # tokens served / weight, by tenant
         self.active: Counter[str] = Counter()   # unfinished requests, by tenant
 
@@ -75,9 +77,10 @@ class FairShare(PriorityFirst):
         return self.band(seq, step), self.served.get(seq.tenancy.tenant, 0.0), seq.arrival
 
     def may_preempt_for(self, seq: Sequence, victim: Sequence, step: int) -> bool:
-        if victim.tenancy.tenant == seq.tenancy.tenant:
-            return super().may_preempt_for(seq, victim, step)
-        return self.rank(victim, step)[:2] > self.rank(seq, step)[:2]
+        (victim_band, victim_served, _), (band, served, _) = self.rank(victim, step), self.rank(seq, step)
+        if victim_band != band or victim.tenancy.tenant == seq.tenancy.tenant:
+            return victim_band > band
+        return victim_served > served + self.step_budget
 
     def on_arrival(self, tenancy: Tenancy) -> None:
         tenant = tenancy.tenant
@@ -112,5 +115,5 @@ class FairShare(PriorityFirst):
 POLICIES = {"fcfs": FirstComeFirstServed, "priority": PriorityFirst, "fair": FairShare}
 
 
-def scheduling_policy(name: str, aging_steps: int) -> FirstComeFirstServed:
-    return POLICIES[name](aging_steps)
+def scheduling_policy(name: str, aging_steps: int, step_budget: int) -> FirstComeFirstServed:
+    return POLICIES[name](aging_steps, step_budget)

@@ -8,7 +8,7 @@ import pytest
 from base.sampling_params import SamplingParams
 from scheduler.core import Scheduler
 from scheduler.scheduling_policy import FairShare
-from scheduler.sequence import Tenancy
+from scheduler.sequence import Sequence, Tenancy
 from tests.unit.scheduler.test_scheduler import FakeWorker, make_scheduler, run_step
 
 
@@ -167,3 +167,17 @@ def test_any_order_and_its_preemptions_give_the_outputs_of_fcfs(policy):
     tight, preemptions = outputs(policy, 14)
     assert preemptions > 0
     assert tight == outputs("fcfs", 64)[0]
+
+
+def test_fair_preempts_within_a_band_only_past_a_step_budget_of_difference():
+    policy = FairShare(step_budget=64)
+    params = SamplingParams(max_tokens=1)
+    seq = Sequence("w/0", "w", 0, [1], 1, params, 2, Tenancy("light"))
+    victim = Sequence("r/0", "r", 0, [1], 1, params, 1, Tenancy("flood"))
+    worse_band = Sequence("b/0", "b", 0, [1], 1, params, 0, Tenancy("light", priority=1))
+    policy.served.update(light=100.0, flood=164.0)
+    assert not policy.may_preempt_for(seq, victim, step=0)   # a swap back and forth would follow
+    policy.served["flood"] = 165.0
+    assert policy.may_preempt_for(seq, victim, step=0)
+    assert policy.may_preempt_for(seq, worse_band, step=0)   # a worse band, whoever's
+    assert not policy.may_preempt_for(worse_band, seq, step=0)
