@@ -8,10 +8,12 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import httpx
 import pytest
 
-from tests.services_fixtures import free_port, start_services, wait_until
+from protos import router_pb2
+from tests.services_fixtures import collect, free_port, greedy, start_services, wait_until
 
 KEYS = {"sk-search": "search", "sk-batch": "batch", "sk-gateway": "*", "sk-capped": "capped"}
 TENANT_CONFIG = {"tenants": {"search": {"priority": [0, 0], "weight": 2}, "batch": {"priority": [1, 5]},
@@ -20,7 +22,7 @@ METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def http_base(tiny_llama_dir, tmp_path_factory):
+def served(tiny_llama_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys"
     key_file.write_text("".join(f"{key} {tenant}\n" for key, tenant in KEYS.items()))
     http_port = free_port()
@@ -31,8 +33,13 @@ def http_base(tiny_llama_dir, tmp_path_factory):
                               "--metrics-port": str(METRICS_PORT)})
     base = f"http://127.0.0.1:{http_port}"
     wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, "HTTP health")
-    yield base
+    yield base, stack
     stack.stop()
+
+
+@pytest.fixture(scope="module")
+def http_base(served):
+    return served[0]
 
 
 def complete(base: str, key: str, max_tokens: int = 4, headers: dict | None = None, **body) -> httpx.Response:
@@ -113,3 +120,17 @@ def test_a_better_priority_is_served_before_worse_ones_queued_ahead_of_it(http_b
         thread.join()
     assert finished.index("search") < finished.index("batch0")
     assert finished.index("search") < finished.index("batch1")
+
+
+def test_grpc_callers_name_their_tenant_and_priority_in_metadata_and_the_request(served):
+    http_base, stack = served
+    request = router_pb2.GenerateRequest(text="the tenants of a shared server", priority=2,
+                                         sampling=greedy(3, ignore_eos=True))
+    gateway = (("authorization", "Bearer sk-gateway"), ("x-ferry-tenant", "grpc-team"))
+    token_ids, _, _ = collect(stack.router().Generate(request, metadata=gateway, timeout=60))
+    assert len(token_ids) == 3
+    assert metric(httpx.get(f"{http_base}/metrics").text, "ferry:tenant_requests_total", tenant="grpc-team",
+                  outcome="finished") == 1
+    with pytest.raises(grpc.RpcError) as refused:
+        collect(stack.router().Generate(request, metadata=(("authorization", "Bearer sk-search"),), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[0, 0]" in refused.value.details()
