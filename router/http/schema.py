@@ -12,7 +12,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from google.protobuf.descriptor import FieldDescriptor
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from base.sampling_params import SAMPLING_FIELDS, WIRE_KINDS
 from protos import common_pb2, router_pb2
@@ -25,6 +25,8 @@ INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 UINT32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 SEED = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TOP_LOGPROBS = Annotated[int, Field(ge=0, le=20)]
+# OpenAI's optional switches take null for their default (off), as vLLM's do
+SWITCH = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
 WIRE_TYPES = {FieldDescriptor.TYPE_UINT32: UINT32, FieldDescriptor.TYPE_INT32: INT32,
               FieldDescriptor.TYPE_FLOAT: float, FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_BOOL: bool,
               FieldDescriptor.TYPE_STRING: str}
@@ -54,8 +56,8 @@ class SamplingRequest(PlainSamplingFields):
     and these."""
     model_config = ConfigDict(extra="ignore")
 
-    model: str = ""
-    stream: bool = False
+    model: Annotated[str, BeforeValidator(lambda value: "" if value is None else value)] = ""   # null: the served one
+    stream: SWITCH = False
     stream_options: StreamOptions | None = None
     seed: SEED | None = None
     stop: str | list[str] | None = None
@@ -94,7 +96,7 @@ class SamplingRequest(PlainSamplingFields):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[UINT32] | list[str] | list[list[UINT32]]
     logprobs: TOP_LOGPROBS | None = None
-    echo: bool = False
+    echo: SWITCH = False
     suffix: str | None = None
     best_of: UINT32 | None = None
     prompt_logprobs: TOP_LOGPROBS | None = None   # vLLM's extra field: each prompt token's logprob and top k
@@ -225,7 +227,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_completion_tokens: UINT32 | None = None
-    logprobs: bool = False
+    logprobs: SWITCH = False
     top_logprobs: TOP_LOGPROBS | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None

@@ -103,3 +103,14 @@ def test_the_fields_the_http_apis_spell_their_own_way_are_declared_fields():
 def test_a_sampling_field_is_named_where_it_is_declared_and_where_it_is_honoured_only(name):
     assert name in {f.name for f in dataclasses.fields(SamplingParams)}
     assert files_naming(name) == DECLARED | PLACES[name]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("model, required", [(CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, CHAT)])
+def test_every_optional_field_takes_null_for_its_default(model, required):
+    """OpenAI's clients send null for a parameter they leave unset (vLLM takes it): each one means its default."""
+    default = model.model_validate(required)
+    for name in set(model.model_fields) - set(required):
+        assert getattr(model.model_validate({**required, name: None}), name) == getattr(default, name), name
