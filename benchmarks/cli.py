@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -82,4 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         names_parser().parse_args(argv[:1])   # the list of benchmarks, or what is wrong with the name
         return 2
+    # SIGTERM unwinds like Ctrl-C: the stacks a benchmark started (in sessions of their own) are stopped on the way
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     return int(importlib.import_module(BENCHMARKS[argv[0]].module).main(argv[1:]) or 0)

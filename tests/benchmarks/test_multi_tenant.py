@@ -1,11 +1,17 @@
-"""`ferry bench tenants`: its open-loop schedule, token counting and ratios, and one small run end to end."""
+"""`ferry bench tenants`: its open-loop schedule, token counting and ratios, one small run end to end, and a run
+stopped with SIGTERM."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import uuid
 
 from benchmarks.services.multi_tenant import Answer, Load, Prompts, flood_summary, open_loop_times, ratios, read_chunk
+from tests.deploy.test_cli import processes_with_marker
+from tests.services_fixtures import wait_until
 
 
 def test_an_open_loop_sends_on_schedule_every_request_before_the_duration_ends():
@@ -81,3 +87,20 @@ def test_tenants_bench_answers_every_phase_of_a_small_served_load(tiny_llama_dir
     assert result["ratios"]["1"]["light_p90_flooded_over_alone"]["fair"] > 0
     assert result["ratios"]["1"]["flood_tok_s_fair_over_fcfs"] > 0
     assert result["cpu_model"]
+
+
+def test_a_benchmark_stopped_with_sigterm_stops_the_stack_it_started(tiny_llama_dir):
+    """ferry up runs in a session of its own: without unwinding, a SIGTERM to the bench would leave it running."""
+    marker = uuid.uuid4().hex
+    bench = subprocess.Popen([sys.executable, "-m", "ferry.cli", "bench", "tenants", "--model", str(tiny_llama_dir),
+                              "--dtype", "float32", "--kv-cache-memory", "4000000", "--duration", "60"],
+                             env={**os.environ, "FERRY_TEST_MARKER": marker}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(processes_with_marker(marker)) >= 5, "the bench, ferry up and its services",
+                   timeout=120)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(90) == 128 + signal.SIGTERM
+        wait_until(lambda: not processes_with_marker(marker), "every process of the stack gone", timeout=30)
+    finally:
+        bench.kill()
