@@ -25,7 +25,7 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLease, KeyLimiter, OverLimit
-from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished
+from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished, policy_name
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
 from router.router_telemetry import RequestObservation, RouterTelemetry
@@ -163,7 +163,7 @@ class Router:
                                                  sampling=request.sampling,   # validated (params), sent as it came
                                                  tenant=ticket.tenant.name, priority=request.priority,
                                                  tenant_weight=ticket.tenant.policy.weight)
-        observed.routed(request_id, getattr(self.policy, "__name__", str(self.policy)), len(prompt_ids),
+        observed.routed(request_id, policy_name(self.policy), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         return self.proxy(plan.targets, upstream, new_state, observed, hold)
 

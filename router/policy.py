@@ -28,6 +28,12 @@ RoutingPolicy = Callable[[Sequence[SchedulerInfo], RoutingInput], list[Scheduler
 """Returns the candidates in order of preference (the router tries the next one if the first is unreachable)."""
 
 
+def policy_name(policy: RoutingPolicy) -> str:
+    """The name traces give the policy: its function's, or the instance's own __name__, else its class's (never its
+    repr, which for a stateful policy prints all its history)."""
+    return getattr(policy, "__name__", None) or type(policy).__name__
+
+
 def notify_finished(policy: RoutingPolicy, request_id: str) -> None:
     """Tell a stateful policy (CacheAwarePolicy: its `finish`) that a request ended; plain functions keep no state."""
     finish = getattr(policy, "finish", None)

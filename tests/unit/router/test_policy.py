@@ -6,7 +6,7 @@ from collections import Counter
 
 from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
-from router.policy import POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, rendezvous_weight
+from router.policy import POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, policy_name, rendezvous_weight
 from router.routing_history import RoutingHistory
 
 PREFIX = list(range(1000, 2024))          # 64 blocks of 16
@@ -133,3 +133,18 @@ def test_random_policy_is_a_seeded_permutation_that_uses_every_scheduler():
     assert picks == [second(cluster, request(question(0)))[0].scheduler_id for _ in range(40)]
     assert set(picks) == {"s0", "s1", "s2", "s3"}
     assert sorted(c.scheduler_id for c in first(cluster, request(question(0)))) == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_policys_name_is_read_without_its_repr():
+    """The router names its policy in every request's span: a stateful policy's repr (all its routing history) was
+    built for each request, a sixth of the router's CPU under a 32-stream load."""
+    class Stateful:
+        def __repr__(self):
+            raise AssertionError("repr built")
+
+        def __call__(self, candidates, request):
+            return list(candidates)
+
+    assert policy_name(Stateful()) == "Stateful"
+    named = ("cache_aware", "approximate", "least_loaded", "round_robin")
+    assert [policy_name(POLICIES[name]()) for name in named] == list(named)
