@@ -85,6 +85,15 @@ class EngineConfig:
             "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5, "
             "\"disable_by_batch_size\": null} or {\"method\": \"draft_model\", \"model\": DIR, "
             "\"num_speculative_tokens\": 4} (base/speculative.py); empty: off")
+    enable_lora: bool = option(False, "serve LoRA adapters of the model (PEFT's format), batched with the base model "
+                                      "and each other in every step", switch_on="--enable-lora")
+    lora_modules: list[str] = option([], "adapters to load at start, NAME=PATH (a PEFT directory): a request names "
+                                         "one as its model", repeat=True, many=True, metavar="NAME=PATH")
+    max_loras: int = option(1, "with --enable-lora, adapters resident on the device at once: a step runs at most "
+                               "this many (a request for another waits for a slot)")
+    max_lora_rank: int = option(16, "with --enable-lora, the largest rank an adapter may have")
+    max_cpu_loras: int = option(0, "with --enable-lora, adapters kept in host memory (the rest are read from disk "
+                                   "when they come back); 0: --max-loras")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -109,8 +118,28 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         if self.priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {self.priority_aging_steps}")
+        check_lora_options(self)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+
+def check_lora_options(config: EngineConfig) -> None:
+    if config.lora_modules and not config.enable_lora:
+        raise ValueError("lora_modules needs --enable-lora")
+    if config.max_loras < 1 or config.max_lora_rank < 1 or config.max_cpu_loras < 0:
+        raise ValueError("max_loras and max_lora_rank must be at least 1, max_cpu_loras at least 0")
+    if config.max_cpu_loras and config.max_cpu_loras < config.max_loras:
+        raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be at least max_loras ({config.max_loras})")
+    for module in config.lora_modules:
+        lora_module(module)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH, as --lora-modules takes it; ValueError naming the flag otherwise."""
+    name, sep, path = text.partition("=")
+    if not (sep and name.strip() and path.strip()):
+        raise ValueError(f"lora_modules: expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
 
 
 def init_request(config: EngineConfig) -> worker_pb2.InitRequest:

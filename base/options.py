@@ -10,6 +10,7 @@ with). Adding an option is adding a field. A field's metadata holds what its fla
   flag        the flag, where it is not --field-name
   env         the variable (base/environment.py) whose value, where set, is the flag's default
   repeat      a list, its flag given once per item
+  many        with repeat: one flag may also take several items (--lora-modules a=X b=Y, as vLLM's)
   nested      a dataclass of options: its fields' flags are this one's
   no_flag     set by the program, not by a flag of its own (a TlsConfig, a secret read from a file)
   in_process  set only where the options are built in the process that uses them (a benchmark baseline): no flag,
@@ -112,6 +113,9 @@ def add_argument(parser: argparse.ArgumentParser, option_field: Field) -> None:
     elif "switch_on" in meta:
         parser.add_argument(meta["switch_on"], dest=dest(option_field), action="store_true",
                             help=f"{text} (default: {switched(option_field)} off)")
+    elif meta.get("repeat") and meta.get("many"):
+        parser.add_argument(flag_name(option_field), dest=dest(option_field), action="extend", nargs="+", default=[],
+                            metavar=meta.get("metavar"), help=f"{text} (one or more, repeatable)")
     elif meta.get("repeat"):
         parser.add_argument(flag_name(option_field), dest=dest(option_field), action="append", default=[],
                             metavar=meta.get("metavar"), help=f"{text} (repeatable)")

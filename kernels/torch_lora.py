@@ -1,0 +1,54 @@
+"""The LoRA products of one step, in torch: each segment of rows that shares an adapter gets x A^T B^T added to
+the base layer's output (Punica's SGMV, S-LoRA), the reference the Triton kernel (kernels/triton_lora.py) keeps.
+
+An adapter's weights for one of the model's linears sit in a stack of device slots: a_stack [S, R, K] and
+b_stack [S, N, R], R the stack's width (the largest rank times the linear's slices: a fused q|k|v is three
+adapters side by side, B block-diagonal), zero-padded past an adapter's own rank, its scaling folded into B."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LoraRows:
+    """A step's token rows grouped by the slot whose adapter they run with (rows of the base model left out):
+    segment i is order[starts[i]:starts[i] + lengths[i]], all with slot slots[i]. The host lists drive the torch
+    path; the device tensors (seg_*) the kernel's grid."""
+    order: torch.Tensor        # [rows with an adapter] long: row indices, grouped by slot
+    starts: list[int]
+    lengths: list[int]
+    slots: list[int]
+    seg_starts: torch.Tensor   # int32 copies of the three lists, on the device
+    seg_lengths: torch.Tensor
+    seg_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, row_slots: list[int], device: torch.device) -> LoraRows | None:
+        """row_slots: each row's slot, -1 for the base model; None when no row has an adapter."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot >= 0:
+                by_slot.setdefault(slot, []).append(row)
+        if not by_slot:
+            return None
+        order, starts, lengths, slots = [], [], [], []
+        for slot, rows in sorted(by_slot.items()):
+            starts.append(len(order))
+            lengths.append(len(rows))
+            slots.append(slot)
+            order.extend(rows)
+        as_device = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device)  # noqa: E731
+        return cls(as_device(order, torch.long), starts, lengths, slots, as_device(starts, torch.int32),
+                   as_device(lengths, torch.int32), as_device(slots, torch.int32))
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+             rows: LoraRows) -> None:
+    """out[r] += (x[r] @ a_stack[slot].T) @ b_stack[slot].T for every row r of every segment, in place.
+    x [T, K], out [T, N]; rows outside every segment keep the base layer's output."""
+    for start, length, slot in zip(rows.starts, rows.lengths, rows.slots):
+        index = rows.order[start:start + length]
+        shrunk = x.index_select(0, index) @ a_stack[slot].t()
+        out.index_add_(0, index, shrunk @ b_stack[slot].t())
