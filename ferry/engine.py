@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from base.config import EngineConfig, init_request
+from base.config import EngineConfig, init_request, lora_module
 from base.prompt_checks import check_token_ids
 from base.sampling_params import SamplingParams
 from protos import scheduler_pb2, worker_pb2
@@ -50,6 +50,8 @@ class StepWorker(Protocol):
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult: ...
 
+    def load_adapter(self, req: worker_pb2.LoadAdapterRequest) -> worker_pb2.LoadAdapterResponse: ...
+
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, worker: StepWorker | None = None):
@@ -64,6 +66,8 @@ class Engine:
         self._tokenizer = None
         self.ids = itertools.count()
         self.last_step_seconds = self.last_idle_seconds = 0.0
+        for module in self.config.lora_modules:
+            self.load_lora_adapter(*lora_module(module))
 
     @property
     def tokenizer(self):
@@ -78,11 +82,19 @@ class Engine:
         check_token_ids(prompt, self.info.vocab_size)
         return list(prompt)
 
+    def load_lora_adapter(self, name: str, path: str) -> worker_pb2.LoadAdapterResponse:
+        """Load a PEFT adapter that requests may then name; ValueError saying why it does not fit."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora")
+        response = self.worker.load_adapter(worker_pb2.LoadAdapterRequest(name=name, path=path))
+        self.scheduler.lora.loaded[name] = path
+        return response
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    tenancy: Tenancy = DEFAULT_TENANCY) -> list[int]:
-        """tenancy: the request's tenant and priority, for --scheduling-policy."""
+                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "") -> list[int]:
+        """tenancy: the request's tenant and priority, for --scheduling-policy; lora_name: a loaded adapter."""
         token_ids = self.encode(prompt)
-        self.scheduler.add_request(request_id, token_ids, params, tenancy=tenancy)
+        self.scheduler.add_request(request_id, token_ids, params, tenancy=tenancy, lora_name=lora_name)
         return token_ids
 
     def step(self) -> list[RequestOutput]:
@@ -109,18 +121,21 @@ class Engine:
     def stats(self) -> scheduler_pb2.StatsResponse:
         return self.scheduler.stats()
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
-                 ) -> list[GenerationResult]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 lora_names: list[str] | None = None) -> list[GenerationResult]:
+        """lora_names: each prompt's adapter ("": the base model); None: the base model for all."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"params: got {len(params_list)} for {len(prompts)} prompts")
+        lora_names = [""] * len(prompts) if lora_names is None else lora_names
+        if len(params_list) != len(prompts) or len(lora_names) != len(prompts):
+            raise ValueError(f"params, lora_names: got {len(params_list)}, {len(lora_names)} for {len(prompts)} "
+                             "prompts")
         results: dict[str, GenerationResult] = {}
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, lora_name in zip(prompts, params_list, lora_names):
                 request_id = f"gen-{next(self.ids)}"
-                token_ids = self.add_request(request_id, prompt, p)
+                token_ids = self.add_request(request_id, prompt, p, lora_name=lora_name)
                 results[request_id] = GenerationResult(request_id, token_ids, [SampleResult() for _ in range(p.n)])
-        except ValueError:
+        except (ValueError, LookupError):
             for request_id in results:   # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(request_id)
             raise

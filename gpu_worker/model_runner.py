@@ -16,6 +16,8 @@ from base.sampling_params import SamplingParams
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, DecodeRows
 from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import KVPool
+from gpu_worker.lora.adapter_store import AdapterStore
+from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.model import AttentionBatch
 from gpu_worker.sampling.sampler import SampleRow, prompt_token_logprobs, sample
 from kernels import torch_paged
@@ -35,6 +37,7 @@ class SequenceState:
     num_computed_tokens: int = 0
     kv_present_tokens: int = 0       # positions below this are already in (shared) blocks: don't store them
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None   # gathered over the prefill; None: not asked
+    lora_name: str = ""              # the LoRA adapter it runs with ("": the base model)
 
 
 @dataclass
@@ -68,6 +71,8 @@ class ModelRunner:
     seqs: dict[str, SequenceState] = field(default_factory=dict)
     graphs: DecodeGraphs | None = None      # decode steps replayed from CUDA graphs (None: every step eager)
     draft: DraftModel | None = None         # speculative decoding's draft model (it follows every step)
+    lora: LoraSlots | None = None           # with --enable-lora: the adapters' device slots
+    adapters: AdapterStore | None = None    # and the adapters loaded
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -81,6 +86,8 @@ class ModelRunner:
             self.pool.copy_block(copy.src, copy.dst)
             if self.draft is not None:
                 self.draft.pool.copy_block(copy.src, copy.dst)
+        for placed in req.lora_slots:
+            self.lora.place(placed.slot, self.adapters.get(placed.name))
         chunks = self.register(req)
         result = worker_pb2.StepResult(step_id=req.step_id)
         if not chunks:
@@ -133,7 +140,9 @@ class ModelRunner:
         for new in req.new_seqs:
             seq = SequenceState(new.seq_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                                 SamplingParams.from_proto(new.sampling, trusted=True), new.sample_index,
-                                kv_present_tokens=new.kv_present_tokens)
+                                kv_present_tokens=new.kv_present_tokens, lora_name=new.lora_name)
+            if new.lora_name and self.lora is None:
+                raise ValueError(f"sequence {new.seq_id}: LoRA adapter {new.lora_name!r}, but LoRA is off")
             if wants_prompt_logprobs(new):
                 seq.prompt_logprobs = []
             self.seqs[new.seq_id] = seq
@@ -185,6 +194,8 @@ class ModelRunner:
         rows' logits (None: no row samples)."""
         input_ids, positions, slots = self.pack(chunks)
         batch = self.attention_batch(chunks, slots)
+        if self.lora is not None:
+            self.lora.set_rows([self.lora.slot_of(c.seq.lora_name) for c in chunks for _ in range(c.num_tokens)])
         lengths = torch.tensor([c.num_tokens for c in chunks])
         ends = lengths.cumsum(0) - 1
         logit_rows = torch.tensor([row for c, end in zip(chunks, ends.tolist())

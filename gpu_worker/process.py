@@ -49,6 +49,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.health.set("ferry.Worker", health_pb2.HealthCheckResponse.SERVING)
         return response
 
+    def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
+                    ) -> worker_pb2.LoadAdapterResponse:
+        """On the compute thread, between two steps: a step reads the adapters loaded."""
+        try:
+            return self.compute.submit(self.worker.load_adapter, request).result()
+        except (ValueError, OSError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
+                      ) -> worker_pb2.UnloadAdapterResponse:
+        return self.compute.submit(self.worker.unload_adapter, request).result()
+
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         crash_if_poisoned(request, self.poison_token)
         step = self.traced_step if request.traceparents else self.worker.step

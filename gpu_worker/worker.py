@@ -17,6 +17,7 @@ from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
 from gpu_worker.loading.weights import load_weights
+from gpu_worker.lora.attach import attach_lora
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
@@ -130,12 +131,15 @@ class Worker:
             num_blocks = kv_bytes // (block_bytes(shape, block_size, dtype) + block_bytes(draft[1], block_size, dtype))
             pool = KVPool.of_blocks(shape, block_size, num_blocks, dtype, device)
         self.runner = make_runner(pool)
+        if req.enable_lora:
+            self.runner.lora, self.runner.adapters = attach_lora(model, shape, req, dtype, device)
         if draft is not None:
             draft_pool = KVPool.of_blocks(draft[1], block_size, pool.num_blocks, dtype, device)
             self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len)
         if device.type == "cuda":
             warm_up.compile_kernels(self.runner, req.max_num_batched_tokens or 2048, max_model_len)
-        if device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None:
+        if (device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None
+                and not req.enable_lora):
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
                                               max_model_len, device)
             self.runner.graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()))
@@ -182,6 +186,18 @@ class Worker:
             cpu_linear.pack_linear_layers(model)
         model.load_rope(hf_config, max_model_len, device)
         return model
+
+    def load_adapter(self, req: worker_pb2.LoadAdapterRequest) -> worker_pb2.LoadAdapterResponse:
+        """ValueError (gpu_worker.lora.peft_adapter.AdapterRefused) naming what does not fit."""
+        if self.runner is None or self.runner.adapters is None:
+            raise ValueError("LoRA is off: start with --enable-lora")
+        weights = self.runner.adapters.load(req.name, req.path)
+        return worker_pb2.LoadAdapterResponse(rank=weights.rank, target_modules=weights.target_modules)
+
+    def unload_adapter(self, req: worker_pb2.UnloadAdapterRequest) -> worker_pb2.UnloadAdapterResponse:
+        if self.runner is not None and self.runner.adapters is not None:
+            self.runner.adapters.unload(req.name)
+        return worker_pb2.UnloadAdapterResponse()
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         if self.runner is None:

@@ -69,10 +69,14 @@ class BlockManager:
         return kv_usage(self.num_free_blocks, self.num_blocks)
 
     # --- prefix cache --------------------------------------------------------------------------------
+    def chain_root(self, seq: Sequence) -> int:
+        """The hash before seq's first block: the model's, or its adapter's (KV is never shared across adapters)."""
+        return self.root_hash if seq.hash_root is None else seq.hash_root
+
     def update_hashes(self, seq: Sequence) -> None:
         full = len(seq.token_ids) // self.block_size   # known tokens only: a pending one has no id yet
         for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.chain_root(seq)
             chunk = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             seq.block_hashes.append(next_block_hash(parent, chunk))
 

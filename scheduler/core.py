@@ -31,6 +31,7 @@ from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
 from scheduler.grammar_drafts import checked_proposals
 from scheduler.grammar_masks import StructuredOutputManager
+from scheduler.lora_adapters import LoraAdapters
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
 from scheduler.scheduling_policy import scheduling_policy
@@ -87,21 +88,26 @@ class Scheduler:
         self.policy = scheduling_policy(config.scheduling_policy, config.priority_aging_steps,
                                         config.max_num_batched_tokens)
         self.num_seats = 0                        # the step being scheduled: batch slots taken
+        self.lora = LoraAdapters(config.max_loras, config.enable_lora)
+        self.model_name = model.model_name
 
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     resumed_token_ids: list[int] = (), sampling: common_pb2.SamplingParams | None = None,
-                    tenancy: Tenancy = DEFAULT_TENANCY) -> None:
+                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "") -> None:
         """resumed_token_ids: tokens a scheduler that died had generated for this request: it goes on after them
         as a preempted sequence would (they count towards max_tokens and penalties, and seeded sampling depends
         only on the position), so the continuation is the one that scheduler would have produced. sampling: the
         message params came from, if they came in one (kept for the worker, not built again). tenancy: its tenant
-        and priority, for --scheduling-policy."""
+        and priority, for --scheduling-policy. lora_name: the adapter it runs with (AdapterNotFound where not
+        loaded here)."""
+        self.lora.check_requested(lora_name)
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
                           self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
         check_resumed(resumed_token_ids, params)
         sampling = params.to_proto() if sampling is None else sampling
-        request = Request(request_id, list(prompt_token_ids), params, sampling, tenancy, self.counters.steps)
+        request = Request(request_id, list(prompt_token_ids), params, sampling, tenancy, self.counters.steps,
+                          lora_name)
         first = self.new_sequence(request, 0, [*prompt_token_ids, *resumed_token_ids])
         request.seqs.append(first)
         request.forked = params.n == 1
@@ -115,9 +121,10 @@ class Scheduler:
             self.waiting.append(first)
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        hash_root = root_hash(self.model_name, self.config.hash_seed, request.lora_name) if request.lora_name else None
         return Sequence(f"{request.request_id}/{index}", request.request_id, index, token_ids,
                         len(request.prompt_token_ids), request.params, next(self.arrivals), request.tenancy,
-                        request.arrival_step)
+                        request.arrival_step, lora_name=request.lora_name, hash_root=hash_root)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.requests.pop(request_id, None)
@@ -158,11 +165,16 @@ class Scheduler:
         preempted = not all([self.schedule_running(seq) for seq in decodes])
         self.begin_admission()
         admitting, queued = True, set(self.waiting)
+        adapters = {s.lora_name for s in self.running if s.lora_name}
         for seq in self.policy.order(prefills, list(self.waiting), self.counters.steps):
             if seq.status is SequenceStatus.RUNNING:
                 preempted |= not self.schedule_running(seq)
             elif admitting and not preempted and seq in queued:   # not one preempted in this step
+                if not self.lora.may_join(seq.lora_name, adapters):
+                    continue   # its adapter waits for a slot; those behind it may still go
                 admitting = self.admit(seq)
+                if seq.lora_name and seq.status is SequenceStatus.RUNNING:
+                    adapters.add(seq.lora_name)
         return self.build_step()
 
     def schedule_running(self, seq: Sequence) -> bool:
@@ -343,6 +355,8 @@ class Scheduler:
         step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps,
                                       num_proposals=self.lookahead)
         step.block_copies.extend(worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies)
+        if self.lora.enabled:
+            step.lora_slots.extend(self.lora.place((s.lora_name for s in self.running), step.step_id))
         self.freed_seq_ids, self.block_manager.pending_copies = [], []
         step.token_bitmasks.extend(self.constrained_bitmasks())
         for seq, num_tokens in self.scheduled.values():
@@ -356,7 +370,8 @@ class Scheduler:
                 step.new_seqs.add(seq_id=seq.seq_id, token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
                                   block_ids=seq.block_ids, num_computed_tokens=seq.num_computed_tokens,
                                   num_scheduled_tokens=num_tokens, sampling=self.requests[seq.request_id].sampling,
-                                  sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens)
+                                  sample_index=seq.index, kv_present_tokens=seq.kv_present_tokens,
+                                  lora_name=seq.lora_name)
                 self.worker_seqs.add(seq.seq_id)
             seq.num_blocks_sent = len(seq.block_ids)
         self.in_flight[step.step_id] = [self.computed(seq, num_tokens, len(self.drafts.get(seq.seq_id, ())))

@@ -30,6 +30,7 @@ class Rejoining:
     params: SamplingParams
     generated: list[int]
     tenancy: Tenancy = DEFAULT_TENANCY
+    lora_name: str = ""
 
     def resumed_params(self) -> SamplingParams:
         """Its prompt logprobs went out with its first token: a resumed request does not score its prompt again."""

@@ -51,6 +51,8 @@ class Sequence:
     proposed_token_ids: list[int] = field(default_factory=list)   # a draft model's, after its current tokens
     num_pending_tokens: int = 0                    # positions a step in flight samples or verifies, not yet known
     num_charged_tokens: int = 0                    # positions its tenant was charged for (a recompute is not)
+    lora_name: str = ""                            # the LoRA adapter it runs with ("": the base model)
+    hash_root: int | None = None                   # its block hash chain's root where not the model's (an adapter's)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +82,7 @@ class Request:
     sampling: common_pb2.SamplingParams            # params as the request brought them: what each sample's worker gets
     tenancy: Tenancy = DEFAULT_TENANCY
     arrival_step: int = 0
+    lora_name: str = ""
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     forked: bool = False                           # the n-1 siblings of sample 0 exist

@@ -55,7 +55,8 @@ def stats_response(scheduler: SchedulerState) -> scheduler_pb2.StatsResponse:
         num_steps=counters.steps, spec_decode_num_drafts=counters.spec_drafts,
         spec_decode_num_draft_tokens=counters.spec_proposed_tokens,
         spec_decode_num_accepted_tokens=counters.spec_accepted_tokens,
-        spec_decode_num_accepted_tokens_per_pos=counters.spec_accepted_by_position)
+        spec_decode_num_accepted_tokens_per_pos=counters.spec_accepted_by_position,
+        lora_adapters=sorted(scheduler.lora.loaded), resident_lora_adapters=scheduler.lora.resident)
 
 
 def queued_prefill_tokens(scheduler: SchedulerState) -> int:

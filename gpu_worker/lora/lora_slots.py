@@ -1,0 +1,88 @@
+"""The device slots adapters run from, and the linears that run them: each of a decoder layer's linears (q|k|v,
+o, gate|up, down) gets an A stack [max_loras, R, K] and a B stack [max_loras, N, R] (R: --max-lora-rank times its
+slices), and computes base(x) + the LoRA product of each segment of rows that shares a slot (kernels/torch_lora.py
+on a CPU, kernels/triton_lora.py on CUDA). The scheduler says which adapter each slot holds (StepRequest.lora_slots);
+a step's rows of the base model cost nothing more."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from gpu_worker.lora.peft_adapter import LinearSlices, LoraWeights
+from kernels import torch_lora
+from kernels.torch_lora import LoraRows
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # LayerPlan's fields, in order
+
+
+def lora_kernel(device: torch.device):
+    """add_lora(out, x, a_stack, b_stack, rows): Triton's on CUDA where it is installed, else torch's."""
+    if device.type == "cuda":
+        try:
+            from kernels import triton_lora
+            return triton_lora.add_lora
+        except ImportError:
+            pass
+    return torch_lora.add_lora
+
+
+class LoraSlots:
+    def __init__(self, linears: dict[str, LinearSlices], num_layers: int, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.names: list[str | None] = [None] * max_loras   # the adapter each slot holds
+        self.stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in range(num_layers):
+            for linear, slices in linears.items():
+                width = max_rank * len(slices.slice_sizes)
+                self.stacks[layer, linear] = (
+                    torch.zeros(max_loras, width, slices.in_features, dtype=dtype, device=device),
+                    torch.zeros(max_loras, slices.out_features, width, dtype=dtype, device=device))
+        self.rows: LoraRows | None = None   # the step's, set before its forward
+        self.device = device
+        self.add_lora = lora_kernel(device)
+
+    def place(self, slot: int, adapter: LoraWeights) -> None:
+        """The adapter's weights into slot, replacing what the slot held."""
+        for key, (a_stack, b_stack) in self.stacks.items():
+            a_stack[slot].zero_()
+            b_stack[slot].zero_()
+            if key in adapter.linears:
+                a, b = adapter.linears[key]
+                a_stack[slot, :a.shape[0]].copy_(a)
+                b_stack[slot, :, :b.shape[1]].copy_(b)
+        self.names[slot] = adapter.name
+
+    def slot_of(self, name: str) -> int:
+        """The slot holding adapter name; -1 for the base model ("")."""
+        if not name:
+            return -1
+        if name not in self.names:
+            raise ValueError(f"LoRA adapter {name!r} is not resident: the scheduler places it before its step")
+        return self.names.index(name)
+
+    def set_rows(self, row_slots: list[int]) -> None:
+        self.rows = LoraRows.of(row_slots, self.device)
+
+    def wrap(self, plans: list) -> list:
+        """The model's layer plans with each linear an adapter may target running the slots' adapters too."""
+        wrapped = []
+        for layer, plan in enumerate(plans):
+            linears = {name: LoraLinear(getattr(plan, name), *self.stacks[layer, name], self)
+                       for name in LINEARS if (layer, name) in self.stacks}
+            wrapped.append(replace(plan, **linears))
+        return wrapped
+
+
+@dataclass
+class LoraLinear:
+    base: object          # the base linear's forward
+    a_stack: torch.Tensor
+    b_stack: torch.Tensor
+    slots: LoraSlots
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if self.slots.rows is not None:
+            self.slots.add_lora(out, x, self.a_stack, self.b_stack, self.slots.rows)
+        return out

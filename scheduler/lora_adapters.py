@@ -1,0 +1,93 @@
+"""The LoRA adapters a scheduler serves, and which of them its worker holds in device slots.
+
+A request names a loaded adapter (or none: the base model). A step runs at most --max-loras adapters, so a
+sequence joins the running batch only if its adapter is one the batch runs already or a slot is left for it;
+otherwise it waits (others behind it may go), as in vLLM. Slots are given least recently used first; the
+adapter a running sequence uses is never taken out of its slot. An adapter unloaded while requests use it
+retires: no new request may name it, and the worker drops it once the last of those has ended."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from protos import worker_pb2
+
+
+class AdapterNotFound(LookupError):
+    """A request names an adapter that is not loaded here (gRPC NOT_FOUND, HTTP 404)."""
+
+
+@dataclass
+class LoraAdapters:
+    max_loras: int
+    enabled: bool = False
+    loaded: dict[str, str] = field(default_factory=dict)     # name -> directory
+    retiring: set[str] = field(default_factory=set)          # unloaded, still used by live requests
+
+    def __post_init__(self) -> None:
+        self.slots: list[str | None] = [None] * self.max_loras
+        self.last_used: dict[str, int] = {}                   # resident adapter -> the last step that ran it
+
+    def check_requested(self, name: str) -> None:
+        if name and name not in self.loaded:
+            raise AdapterNotFound(f"LoRA adapter {name!r} is not loaded" if self.enabled
+                                  else f"model {name!r}: LoRA adapters are off (--enable-lora)")
+
+    @property
+    def resident(self) -> list[str]:
+        return [name for name in self.slots if name is not None]
+
+    def may_join(self, name: str, batch_adapters: set[str]) -> bool:
+        """Whether a sequence of adapter name may join a batch running batch_adapters (the base model always may)."""
+        return not name or name in batch_adapters or len(batch_adapters) < self.max_loras
+
+    def place(self, needed: Iterable[str], step: int) -> list[worker_pb2.AdapterSlot]:
+        """Slots for the adapters a step's running batch uses (at most max_loras of them): the loads the worker
+        makes before that step."""
+        needed = {name for name in needed if name}
+        loads = []
+        for name in sorted(needed - set(self.resident)):
+            slot = self.free_slot(needed)
+            if self.slots[slot] is not None:
+                self.last_used.pop(self.slots[slot], None)
+            self.slots[slot] = name
+            loads.append(worker_pb2.AdapterSlot(slot=slot, name=name))
+        for name in needed:
+            self.last_used[name] = step
+        return loads
+
+    def free_slot(self, needed: set[str]) -> int:
+        empty = [slot for slot, name in enumerate(self.slots) if name is None]
+        if empty:
+            return empty[0]
+        evictable = [slot for slot, name in enumerate(self.slots) if name not in needed]
+        return min(evictable, key=lambda slot: self.last_used.get(self.slots[slot], -1))
+
+    def forget_slots(self) -> None:
+        """A new worker holds no adapter in its slots."""
+        self.slots = [None] * self.max_loras
+        self.last_used.clear()
+
+    def unload(self, name: str, in_use: bool) -> bool:
+        """Unload name; whether the worker may drop it now (False: it retires until its requests end)."""
+        if name not in self.loaded:
+            raise AdapterNotFound(f"LoRA adapter {name!r} is not loaded")
+        del self.loaded[name]
+        if in_use:
+            self.retiring.add(name)
+            return False
+        self.evict(name)
+        return True
+
+    def retired(self, in_use: set[str]) -> list[str]:
+        """Retiring adapters no live request uses any more: the worker may drop them now."""
+        done = sorted(self.retiring - in_use)
+        for name in done:
+            self.retiring.discard(name)
+            self.evict(name)
+        return done
+
+    def evict(self, name: str) -> None:
+        if name in self.slots:
+            self.slots[self.slots.index(name)] = None
+        self.last_used.pop(name, None)
