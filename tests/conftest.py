@@ -24,19 +24,19 @@ from benchmarks.common.random_models import build_tiny_tokenizer
 from benchmarks.engine.exactness import transformers_greedy  # noqa: F401 (the tests import it from here)
 
 
-def import_interpreted_kernels():
-    """kernels.triton_paged as Triton's interpreter runs it: triton and every kernels.triton_* module are imported
-    afresh if triton was imported before TRITON_INTERPRET was set (jit functions, triton.language's own too, are
-    built at import; a sibling module left in place would keep its compiled kernels)."""
+def import_interpreted_kernels(module: str = "kernels.triton_paged"):
+    """A kernels.triton_* module as Triton's interpreter runs it: triton and every kernels.triton_* module are
+    imported afresh if triton was imported before TRITON_INTERPRET was set (jit functions, triton.language's own too,
+    are built at import; a sibling module left in place would keep its compiled kernels)."""
     import triton.language as tl
     from kernels import triton_launch
     if triton_launch.interpreting() and type(tl.max).__name__ == "InterpretedFunction":
-        return importlib.import_module("kernels.triton_paged")
+        return importlib.import_module(module)
     stale = [name for name in sys.modules if name.split(".")[0] == "triton" and not name.startswith("triton._C")]
     stale += [name for name in sys.modules if name.startswith("kernels.triton_")]
     for name in stale:
         del sys.modules[name]  # the compiled extension stays: loading it twice aborts
-    return importlib.import_module("kernels.triton_paged")
+    return importlib.import_module(module)
 
 
 def build_tiny_llama(path: Path, *, tie_word_embeddings: bool = False, rope_scaling: dict | None = None,

@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-BF16_POINTERS = {"out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "key_ptr", "value_ptr"}
-INT_POINTERS = {"block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"}
+BF16_POINTERS = {"out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "key_ptr", "value_ptr", "x_ptr", "a_ptr", "b_ptr"}
+INT_POINTERS = {"block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seg_starts_ptr", "seg_lengths_ptr",
+                "seg_slots_ptr"}
 
 
 def _signature(kernel, constexprs: dict) -> dict[str, str]:
@@ -24,28 +25,32 @@ def _signature(kernel, constexprs: dict) -> dict[str, str]:
             return "*bf16"
         if name in INT_POINTERS:
             return "*i32"
-        if name == "slot_mapping_ptr":
+        if name in ("slot_mapping_ptr", "order_ptr"):
             return "*i64"
         return "*fp32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
     return {name: type_of(name) for name in kernel.arg_names}
 
 
 def compile_for_hopper() -> dict[str, int]:
-    """Each kernel, at the shapes a bf16 Llama with head_dim 128 and 4 query heads per KV head launches → the size of
-    its cubin. Run where TRITON_INTERPRET is unset (the kernels must be Triton's compiled functions)."""
+    """Each kernel, at the shapes a bf16 Llama with head_dim 128 and 4 query heads per KV head launches (LoRA: full
+    row tiles, rank 64) → the size of its cubin. Run where TRITON_INTERPRET is unset (the kernels must be Triton's
+    compiled functions)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels import triton_decode, triton_paged, triton_prefill
+    from kernels import triton_decode, triton_lora, triton_paged, triton_prefill
     attention = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, UPCAST=False, DOT_PRECISION="tf32")
     decode = dict(attention, GROUP_PAD=16, PARTITION_SIZE=512)
+    lora = dict(BLOCK_M=64, BLOCK_R=64, UPCAST=False, DOT_PRECISION="tf32")
     kernels = {
         "store_kv": (triton_paged._store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
         "decode": (triton_decode._decode_kernel, dict(decode, SINGLE_PARTITION=True)),
         "decode_partitioned": (triton_decode._decode_kernel, dict(decode, SINGLE_PARTITION=False)),
         "merge": (triton_decode._merge_partitions_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=8)),
         "prefill": (triton_prefill._prefill_kernel, dict(attention, GROUP_PAD=4, BLOCK_Q=16)),
+        "lora_shrink": (triton_lora._shrink_kernel, dict(lora, BLOCK_K=64)),
+        "lora_expand": (triton_lora._expand_kernel, dict(lora, BLOCK_N=64)),
     }
     sizes = {}
     for name, (kernel, constexprs) in kernels.items():
@@ -62,5 +67,5 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     sizes = ast.literal_eval(result.stdout.strip().splitlines()[-1])
-    assert set(sizes) == {"store_kv", "decode", "decode_partitioned", "merge", "prefill"}
+    assert set(sizes) == {"store_kv", "decode", "decode_partitioned", "merge", "prefill", "lora_shrink", "lora_expand"}
     assert all(size > 0 for size in sizes.values())

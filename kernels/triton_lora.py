@@ -1,0 +1,121 @@
+"""The LoRA products of one step in Triton (Punica's SGMV, vLLM's lora_shrink / lora_expand): the semantics are
+kernels/torch_lora.py's, which this keeps.
+
+Two kernels, each over (segment, tile of its rows, tile of the output's columns), rows gathered through
+`rows.order`: shrink writes x A^T of every row with an adapter into an fp32 buffer [rows with an adapter, R], in
+`order`'s order; expand adds that buffer times B^T into the rows of `out`. Rows are distinct, so no atomics. The
+grid is sized by the host's segment lengths: no launch reads the device. Programs past a segment's end return.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.torch_lora import LoraRows
+from kernels.triton_launch import compute_flags, next_pow2, require_triton
+from kernels.triton_tiles import load_tile, tl, triton
+
+LORA_BLOCK_M = 64   # rows of a segment per program
+LORA_BLOCK_K = 64   # shrink: the reduction over x's columns
+LORA_BLOCK_N = 64   # expand: out's columns per program
+LORA_BLOCK_R = 64   # the rank: shrink's output columns per program, expand's reduction
+
+
+@triton.jit
+def _segment_rows(order_ptr, seg_starts_ptr, seg_slots_ptr, seg, length, row_tile, BLOCK_M: tl.constexpr):
+    """A row tile of a segment: (positions in order and the buffer, the rows themselves, which are real, slot)."""
+    start = tl.load(seg_starts_ptr + seg)
+    offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs_m < length
+    positions = start + offs_m
+    rows = tl.load(order_ptr + positions, mask=valid, other=0).to(tl.int64)
+    return positions, rows, valid, tl.load(seg_slots_ptr + seg).to(tl.int64)
+
+
+@triton.jit
+def _shrink_kernel(buffer_ptr, x_ptr, a_ptr, order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, K, R,
+                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    seg = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    length = tl.load(seg_lengths_ptr + seg)
+    if row_tile * BLOCK_M >= length:
+        return
+    positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_slots_ptr, seg, length, row_tile,
+                                                   BLOCK_M)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_valid = offs_r < R
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # A^T's tile
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_valid = k + offs_k < K
+        x = load_tile(x_ptrs, m_valid[:, None] & k_valid[None, :], UPCAST)
+        a = load_tile(a_ptrs, k_valid[:, None] & r_valid[None, :], UPCAST)
+        acc = tl.dot(x, a, acc=acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+    tl.store(buffer_ptr + positions[:, None] * R + offs_r[None, :], acc, mask=m_valid[:, None] & r_valid[None, :])
+
+
+@triton.jit
+def _expand_kernel(out_ptr, buffer_ptr, b_ptr, order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, N, R,
+                   stride_ot, stride_on, stride_bs, stride_bn, stride_br,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    seg = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    length = tl.load(seg_lengths_ptr + seg)
+    if row_tile * BLOCK_M >= length:
+        return
+    positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_slots_ptr, seg, length, row_tile,
+                                                   BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    shrunk_ptrs = buffer_ptr + positions[:, None] * R + offs_r[None, :]
+    b_ptrs = b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br  # B^T's tile
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r in range(0, R, BLOCK_R):
+        r_valid = r + offs_r < R
+        shrunk = tl.load(shrunk_ptrs, mask=m_valid[:, None] & r_valid[None, :], other=0.0)
+        b = load_tile(b_ptrs, r_valid[:, None] & n_valid[None, :], UPCAST)
+        if not UPCAST:
+            shrunk = shrunk.to(b.dtype)  # 16-bit weights: the tensor cores' own inputs, as torch rounds it too
+        acc = tl.dot(shrunk, b, acc=acc, input_precision=DOT_PRECISION)
+        shrunk_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * stride_br
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
+    mask = m_valid[:, None] & n_valid[None, :]
+    base = load_tile(out_ptrs, mask, True)
+    tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+             rows: LoraRows) -> None:
+    """out[r] += (x[r] @ a_stack[slot].T) @ b_stack[slot].T for every row r of every segment, in place (as
+    kernels.torch_lora.add_lora). x [T, K], out [T, N] (any strides: out may be a view), a_stack [S, R, K],
+    b_stack [S, N, R]; rows outside every segment keep the base layer's output."""
+    require_triton()
+    if not rows.lengths:
+        return
+    num_rows, width = rows.order.shape[0], a_stack.shape[1]
+    in_features, out_features = x.shape[1], out.shape[1]
+    block_m = min(LORA_BLOCK_M, next_pow2(max(rows.lengths), 16))   # decode's few rows: smaller tiles
+    block_r = min(LORA_BLOCK_R, next_pow2(width, 16))
+    upcast, precision = compute_flags(x.dtype)
+    stages = 2 if upcast else 3   # fp32 tiles: keep shared memory low
+    buffer = torch.empty(num_rows, width, dtype=torch.float32, device=x.device)
+    segments = (len(rows.lengths), triton.cdiv(max(rows.lengths), block_m))
+    _shrink_kernel[segments + (triton.cdiv(width, block_r),)](
+        buffer, x, a_stack, rows.order, rows.seg_starts, rows.seg_lengths, rows.seg_slots, in_features, width,
+        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        BLOCK_M=block_m, BLOCK_K=min(LORA_BLOCK_K, next_pow2(in_features, 16)), BLOCK_R=block_r, UPCAST=upcast,
+        DOT_PRECISION=precision, num_warps=4, num_stages=stages)
+    block_n = min(LORA_BLOCK_N, next_pow2(out_features, 16))
+    _expand_kernel[segments + (triton.cdiv(out_features, block_n),)](
+        out, buffer, b_stack, rows.order, rows.seg_starts, rows.seg_lengths, rows.seg_slots, out_features, width,
+        out.stride(0), out.stride(1), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=4, num_stages=stages)
