@@ -86,6 +86,8 @@ class ModelRunner:
             self.pool.copy_block(copy.src, copy.dst)
             if self.draft is not None:
                 self.draft.pool.copy_block(copy.src, copy.dst)
+        for name in req.unloaded_lora_adapters:
+            self.adapters.unload(name)
         for placed in req.lora_slots:
             self.lora.place(placed.slot, self.adapters.get(placed.name))
         chunks = self.register(req)

@@ -57,10 +57,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except (ValueError, OSError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
-                      ) -> worker_pb2.UnloadAdapterResponse:
-        return self.compute.submit(self.worker.unload_adapter, request).result()
-
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         crash_if_poisoned(request, self.poison_token)
         step = self.traced_step if request.traceparents else self.worker.step

@@ -194,11 +194,6 @@ class Worker:
         weights = self.runner.adapters.load(req.name, req.path)
         return worker_pb2.LoadAdapterResponse(rank=weights.rank, target_modules=weights.target_modules)
 
-    def unload_adapter(self, req: worker_pb2.UnloadAdapterRequest) -> worker_pb2.UnloadAdapterResponse:
-        if self.runner is not None and self.runner.adapters is not None:
-            self.runner.adapters.unload(req.name)
-        return worker_pb2.UnloadAdapterResponse()
-
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         if self.runner is None:
             raise RuntimeError("Worker.step called before Worker.init")

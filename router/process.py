@@ -19,6 +19,7 @@ from router.http.body import MAX_REQUEST_BYTES
 from router.http.errors import RETRY_AFTER_S
 from router.http.http_server import HttpServer, serve_http
 from router.http.served_models import directory_models
+from router.lora_admin import LoraAdmin
 from router.options import RouterOptions
 from router.policy import POLICIES
 from router.retry import RetryGovernor
@@ -128,7 +129,7 @@ async def serve(options: RouterOptions) -> int:
 async def start_http(router: Router, directory: SchedulerDirectory, options: RouterOptions) -> HttpServer:
     app = create_app(router.generate, models=directory_models(directory), api_keys=options.api_keys,
                      max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser,
-                     body_timeout=options.http_limits.body_timeout)
+                     body_timeout=options.http_limits.body_timeout, lora_admin=LoraAdmin(directory))
     router.telemetry.instrument(app)
     try:
         http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls,

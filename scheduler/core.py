@@ -101,7 +101,7 @@ class Scheduler:
         message params came from, if they came in one (kept for the worker, not built again). tenancy: its tenant
         and priority, for --scheduling-policy. lora_name: the adapter it runs with (AdapterNotFound where not
         loaded here)."""
-        self.lora.check_requested(lora_name)
+        self.lora.check_known(lora_name)
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
                           self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
         check_resumed(resumed_token_ids, params)
@@ -142,7 +142,16 @@ class Scheduler:
             if seq.status is not SequenceStatus.FINISHED:
                 self.release(seq)
                 seq.status = SequenceStatus.FINISHED
+        self.retire_adapters()
         return True
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """AdapterNotFound if not loaded; the requests using it go on (scheduler/lora_adapters.py)."""
+        self.lora.unload(name, in_use=any(r.lora_name == name for r in self.requests.values()))
+
+    def retire_adapters(self) -> None:
+        if self.lora.retiring:
+            self.lora.retire({r.lora_name for r in self.requests.values()})
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -349,13 +358,14 @@ class Scheduler:
 
     def build_step(self) -> worker_pb2.StepRequest | None:
         copies = self.block_manager.pending_copies
-        if not self.scheduled and not self.freed_seq_ids and not copies and not self.failed:
+        if not self.scheduled and not self.freed_seq_ids and not copies and not self.failed and not self.lora.unloaded:
             return None
         self.counters.steps += 1
         step = worker_pb2.StepRequest(freed_seq_ids=self.freed_seq_ids, step_id=self.counters.steps,
                                       num_proposals=self.lookahead)
         step.block_copies.extend(worker_pb2.BlockCopy(src=s, dst=d) for s, d in copies)
         if self.lora.enabled:
+            step.unloaded_lora_adapters.extend(self.lora.take_unloaded())
             step.lora_slots.extend(self.lora.place((s.lora_name for s in self.running), step.step_id))
         self.freed_seq_ids, self.block_manager.pending_copies = [], []
         step.token_bitmasks.extend(self.constrained_bitmasks())
@@ -512,6 +522,7 @@ class Scheduler:
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]
+            self.retire_adapters()
             self.policy.on_departure(request.tenancy)
             self.structured.free(seq.request_id, [s.seq_id for s in request.seqs])
 

@@ -27,6 +27,7 @@ from scheduler.admission import AdmissionLimits
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput, Scheduler
 from scheduler.crash_triage import CrashTriage, Rejoining
+from scheduler.lora_adapters import AdapterNotFound
 from scheduler.scheduler_telemetry import SchedulerMetrics, SchedulerTelemetry
 from scheduler.sequence import DEFAULT_TENANCY, Tenancy
 from scheduler.worker_process import WorkerFailed, WorkerProcess
@@ -86,9 +87,9 @@ class EngineLoop:
                     outputs: asyncio.Queue, trace_parent: Context | None = None,
                     resumed_token_ids: list[int] | None = None,
                     sampling: common_pb2.SamplingParams | None = None,
-                    tenancy: Tenancy = DEFAULT_TENANCY) -> RequestStream:
+                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "") -> RequestStream:
         """resumed_token_ids: what another scheduler generated for it before it died; sampling: the message params
-        came from; tenancy: its tenant and priority (Scheduler.add_request)."""
+        came from; tenancy: its tenant and priority; lora_name: its adapter (Scheduler.add_request)."""
         if self.draining:
             raise Draining("the scheduler is shutting down")
         if self.failure and not self.restarting:
@@ -96,12 +97,14 @@ class EngineLoop:
         check_token_ids(prompt_token_ids, self.info.model.vocab_size)
         if resumed_token_ids:
             check_token_ids(resumed_token_ids, self.info.model.vocab_size)
+        self.scheduler.lora.check_requested(lora_name)
         self.limits.check(self.scheduler, len(prompt_token_ids))
         if self.restarting:   # taken, and handed to the new worker with those the old one had
-            self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or [], tenancy))
+            self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or [], tenancy,
+                                          lora_name))
         else:
             self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [], sampling,
-                                       tenancy)
+                                       tenancy, lora_name)
             self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent, tenancy.tenant)
         stream = RequestStream(request_id, params.n, outputs)
@@ -155,7 +158,7 @@ class EngineLoop:
                 self.fail_stream(request_id, WorkerFailed(reason))
             else:
                 live.append(Rejoining(request_id, request.prompt_token_ids, request.params,
-                                      request.seqs[0].output_token_ids, request.tenancy))
+                                      request.seqs[0].output_token_ids, request.tenancy, request.lora_name))
         return live
 
     def rejoin(self, live: list[Rejoining], suspects: set[str]) -> None:
@@ -175,8 +178,8 @@ class EngineLoop:
                 continue
             try:
                 self.scheduler.add_request(request.request_id, request.prompt, request.resumed_params(),
-                                           request.generated, tenancy=request.tenancy)
-            except ValueError as e:
+                                           request.generated, tenancy=request.tenancy, lora_name=request.lora_name)
+            except (ValueError, AdapterNotFound) as e:
                 self.fail_stream(request.request_id, StatusError(grpc.StatusCode.UNAVAILABLE, str(e)))
         self.wakeup.set()
 
@@ -244,10 +247,19 @@ class EngineLoop:
         log.warning("restarting the worker%s", f" in {delay:g}s (it failed again soon)" if delay else "")
         await asyncio.sleep(delay)
         self.info = await self.wait_on_worker(self.worker.start(self.config))
+        adapters = self.scheduler.lora.carried_over()
+        for name, path in {**adapters.loaded, **adapters.retiring}.items():
+            try:
+                await self.wait_on_worker(self.worker.load_adapter(name, path))
+            except StatusError as e:   # its directory changed since: its requests fail with the reason
+                log.error("LoRA adapter %s could not be loaded again: %s", name, e.message)
+                adapters.loaded.pop(name, None)
+                adapters.retiring.pop(name, None)
         self.last_sent_step_id = 0
         self.forget_cached_blocks()
         old = self.scheduler
         self.scheduler = self.new_scheduler()     # the new worker holds no sequences and an empty pool
+        self.scheduler.lora = adapters
         self.scheduler.counters = old.counters    # cumulative metrics must not go backwards
         self.scheduler.block_manager.counters = old.block_manager.counters
         self.failure = None
@@ -281,6 +293,34 @@ class EngineLoop:
             self.telemetry.on_abort(request_id)
             self.scheduler.abort_request(request_id)
         self.streams.clear()
+
+    async def load_adapter(self, name: str, path: str) -> worker_pb2.LoadAdapterResponse:
+        """StatusError: FAILED_PRECONDITION with LoRA off, INVALID_ARGUMENT for a bad name or an adapter the worker
+        refuses (the reason), ALREADY_EXISTS for a name in use, UNAVAILABLE while the worker restarts."""
+        lora = self.scheduler.lora
+        if not self.config.enable_lora:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, "LoRA adapters are off: start with --enable-lora")
+        if not name or not path:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required")
+        if name == self.info.model.model_name or name in lora.loaded or name in lora.retiring:
+            raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"the name {name!r} is taken" + (
+                " (an adapter being unloaded: its requests are still running)" if name in lora.retiring else ""))
+        if self.restarting or self.failure:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the worker is restarting")
+        response = await self.worker.load_adapter(name, path)
+        self.scheduler.lora.loaded[name] = path
+        log.info("LoRA adapter %s loaded from %s (rank %d)", name, path, response.rank)
+        self.wakeup.set()
+        return response
+
+    def unload_adapter(self, name: str) -> None:
+        """StatusError NOT_FOUND if not loaded; requests already using it finish with it."""
+        try:
+            self.scheduler.unload_lora_adapter(name)
+        except AdapterNotFound as e:
+            raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from e
+        log.info("LoRA adapter %s unloaded", name)
+        self.wakeup.set()
 
     def load(self) -> scheduler_pb2.StatsResponse:
         return self.scheduler.stats()

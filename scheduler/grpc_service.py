@@ -19,6 +19,7 @@ from protos.finish_reasons import FINISH_REASON_TO_PROTO
 from scheduler.admission import QueueFull
 from scheduler.core import RequestOutput
 from scheduler.engine_loop import Draining, EngineLoop, RequestStream
+from scheduler.lora_adapters import AdapterNotFound
 from scheduler.sequence import Tenancy
 from scheduler.worker_process import WorkerFailed
 
@@ -54,7 +55,9 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
         sampling.CopyFrom(request.sampling)   # its own: a part of the request would keep all of it (the prompt) alive
         tenancy = Tenancy(request.tenant, request.priority, request.tenant_weight or 1.0)
         return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent,
-                                list(request.resumed_token_ids), sampling, tenancy)
+                                list(request.resumed_token_ids), sampling, tenancy, request.lora_name)
+    except AdapterNotFound as e:
+        raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from e
     except ValueError as e:
         raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
     except QueueFull as e:
@@ -163,6 +166,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             reader.cancel()
             connection.close()
+
+    async def LoadLoraAdapter(self, request: scheduler_pb2.LoraAdapterRequest, context: grpc.aio.ServicerContext
+                              ) -> scheduler_pb2.LoraAdapterResponse:
+        try:
+            loaded = await self.loop.load_adapter(request.name, request.path)
+        except StatusError as e:
+            await context.abort(e.code, e.message)
+        return scheduler_pb2.LoraAdapterResponse(name=request.name, rank=loaded.rank)
+
+    async def UnloadLoraAdapter(self, request: scheduler_pb2.LoraAdapterRequest, context: grpc.aio.ServicerContext
+                                ) -> scheduler_pb2.LoraAdapterResponse:
+        try:
+            self.loop.unload_adapter(request.name)
+        except StatusError as e:
+            await context.abort(e.code, e.message)
+        return scheduler_pb2.LoraAdapterResponse(name=request.name)
 
     async def Stats(self, request: scheduler_pb2.StatsRequest, context) -> scheduler_pb2.StatsResponse:
         stats = self.loop.load()

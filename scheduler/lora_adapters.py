@@ -4,7 +4,8 @@ A request names a loaded adapter (or none: the base model). A step runs at most 
 sequence joins the running batch only if its adapter is one the batch runs already or a slot is left for it;
 otherwise it waits (others behind it may go), as in vLLM. Slots are given least recently used first; the
 adapter a running sequence uses is never taken out of its slot. An adapter unloaded while requests use it
-retires: no new request may name it, and the worker drops it once the last of those has ended."""
+retires: no new request may name it, and the worker forgets it (StepRequest.unloaded_lora_adapters) once the last
+of those has ended."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -22,16 +23,23 @@ class LoraAdapters:
     max_loras: int
     enabled: bool = False
     loaded: dict[str, str] = field(default_factory=dict)     # name -> directory
-    retiring: set[str] = field(default_factory=set)          # unloaded, still used by live requests
+    retiring: dict[str, str] = field(default_factory=dict)   # unloaded, still used by live requests
 
     def __post_init__(self) -> None:
         self.slots: list[str | None] = [None] * self.max_loras
         self.last_used: dict[str, int] = {}                   # resident adapter -> the last step that ran it
+        self.unloaded: list[str] = []                         # for the worker to forget with the next step
 
     def check_requested(self, name: str) -> None:
+        """AdapterNotFound unless a new request may name this adapter."""
         if name and name not in self.loaded:
             raise AdapterNotFound(f"LoRA adapter {name!r} is not loaded" if self.enabled
                                   else f"model {name!r}: LoRA adapters are off (--enable-lora)")
+
+    def check_known(self, name: str) -> None:
+        """AdapterNotFound unless the worker has this adapter (a retiring one too: its requests go on)."""
+        if name not in self.retiring:
+            self.check_requested(name)
 
     @property
     def resident(self) -> list[str]:
@@ -63,31 +71,32 @@ class LoraAdapters:
         evictable = [slot for slot, name in enumerate(self.slots) if name not in needed]
         return min(evictable, key=lambda slot: self.last_used.get(self.slots[slot], -1))
 
-    def forget_slots(self) -> None:
-        """A new worker holds no adapter in its slots."""
-        self.slots = [None] * self.max_loras
-        self.last_used.clear()
-
-    def unload(self, name: str, in_use: bool) -> bool:
-        """Unload name; whether the worker may drop it now (False: it retires until its requests end)."""
+    def unload(self, name: str, in_use: bool) -> None:
+        """No new request may name it; the worker forgets it now, or once the requests using it have ended."""
         if name not in self.loaded:
             raise AdapterNotFound(f"LoRA adapter {name!r} is not loaded")
-        del self.loaded[name]
+        path = self.loaded.pop(name)
         if in_use:
-            self.retiring.add(name)
-            return False
-        self.evict(name)
-        return True
+            self.retiring[name] = path
+        else:
+            self.forget(name)
 
-    def retired(self, in_use: set[str]) -> list[str]:
-        """Retiring adapters no live request uses any more: the worker may drop them now."""
-        done = sorted(self.retiring - in_use)
-        for name in done:
-            self.retiring.discard(name)
-            self.evict(name)
-        return done
+    def retire(self, in_use: set[str]) -> None:
+        """Retiring adapters no live request uses any more are forgotten."""
+        for name in [name for name in self.retiring if name not in in_use]:
+            del self.retiring[name]
+            self.forget(name)
 
-    def evict(self, name: str) -> None:
+    def forget(self, name: str) -> None:
         if name in self.slots:
             self.slots[self.slots.index(name)] = None
         self.last_used.pop(name, None)
+        self.unloaded.append(name)
+
+    def take_unloaded(self) -> list[str]:
+        unloaded, self.unloaded = self.unloaded, []
+        return unloaded
+
+    def carried_over(self) -> LoraAdapters:
+        """The adapters a new worker must load (retiring ones too), none of them in its slots yet."""
+        return LoraAdapters(self.max_loras, self.enabled, dict(self.loaded), dict(self.retiring))

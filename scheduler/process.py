@@ -15,7 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from base.cluster_auth import ClusterTokenCheck
-from base.config import EngineConfig
+from base.config import EngineConfig, lora_module
+from base.errors import StatusError
 from base.grpc_options import GRPC_OPTIONS
 from base.telemetry import setup_tracing
 from protos import scheduler_pb2_grpc
@@ -58,6 +59,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     try:
         info = await worker.start(config)
         loop = EngineLoop(config, worker, info, tracing, options.limits)
+        await load_lora_modules(loop, config.lora_modules)
         scheduler_id = options.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
         server, health_servicer, port = await start_grpc(loop, scheduler_id, options)
         address = advertised_address(options, port)
@@ -83,6 +85,16 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
             await reporting.stop()
         await worker.stop()   # the loop restarts workers in place: this is always the current one
         tracing.shutdown()
+
+
+async def load_lora_modules(loop: EngineLoop, modules: list[str]) -> None:
+    """--lora-modules, loaded before the scheduler serves; SystemExit naming the adapter that is refused."""
+    for module in modules:
+        name, path = lora_module(module)
+        try:
+            await loop.load_adapter(name, path)
+        except StatusError as e:
+            raise SystemExit(f"--lora-modules {name}={path}: {e.message}") from None
 
 
 async def start_grpc(loop: EngineLoop, scheduler_id: str, options: ServeOptions

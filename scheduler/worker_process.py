@@ -12,6 +12,7 @@ import tempfile
 import grpc
 
 from base.config import EngineConfig, init_request
+from base.errors import StatusError
 from base.grpc_options import GRPC_OPTIONS
 from base.health import NotServing, wait_until_serving
 from protos import worker_pb2, worker_pb2_grpc
@@ -58,6 +59,15 @@ class WorkerProcess:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.process.poll() is None:
                 self.process.kill()   # hung (a device that stopped answering): no use asking it to exit
             raise WorkerFailed(f"worker step failed: {e.code().name}: {e.details()}") from e
+
+    async def load_adapter(self, name: str, path: str) -> worker_pb2.LoadAdapterResponse:
+        """StatusError INVALID_ARGUMENT with the worker's reason when it refuses the adapter."""
+        try:
+            return await self.stub.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=path))
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, e.details()) from e
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the worker did not load the adapter: {e.details()}") from e
 
     async def stop(self) -> None:
         if self.channel is not None:

@@ -8,21 +8,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from base.errors import StatusError
 from protos import router_pb2
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import unless_disconnected
-from router.http.errors import APIError, install_error_handlers, reject_unsupported
+from router.http.errors import APIError, api_error, install_error_handlers, reject_unsupported
 from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
-from router.http.schema import ChatCompletionRequest, CompletionRequest
+from router.http.schema import (
+    ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+)
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tool_calls import add_grammar, detect_parser, tool_plan
+from router.lora_admin import LoraAdmin
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.tenants import TENANT_HEADER
 
@@ -37,6 +41,7 @@ class OpenAIServer:
     max_request_bytes: int = MAX_REQUEST_BYTES
     tool_call_parser: str = ""     # "auto" tool choice's format; "": told by each model's chat template
     body_timeout: float = BODY_TIMEOUT_S
+    lora_admin: LoraAdmin | None = None   # run-time LoRA loads (None: the routes answer 404)
 
     def model(self, name: str) -> ServedModel:
         served = self.models()
@@ -57,7 +62,34 @@ class OpenAIServer:
 
     async def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "ferry",
+                                            "root": m.name, "parent": m.parent or None,
                                             "max_model_len": m.max_model_len} for m in self.models()]}
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: every live scheduler loads the PEFT adapter at lora_path; requests then name it as their model."""
+        body = await parse_body(request, LoadLoraAdapterRequest, self.max_request_bytes, self.body_timeout)
+        if any(m.name == body.lora_name for m in self.models() if not m.parent):
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
+        try:
+            count = await self.admin().load(body.lora_name, body.lora_path)
+        except StatusError as e:
+            raise api_error(e) from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully ({count} "
+                                 f"scheduler{'s' if count != 1 else ''}).")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: no new request may name it; those running with it finish."""
+        body = await parse_body(request, UnloadLoraAdapterRequest, self.max_request_bytes, self.body_timeout)
+        try:
+            await self.admin().unload(body.lora_name)
+        except StatusError as e:
+            raise api_error(e) from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    def admin(self) -> LoraAdmin:
+        if self.lora_admin is None:
+            raise APIError(404, "run-time LoRA loading is not available here")
+        return self.lora_admin
 
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, self.max_request_bytes, self.body_timeout)
@@ -134,9 +166,9 @@ def check_length(field: str, num_chars: int, max_model_len: int) -> None:
 
 def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str = "",
-               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, lora_admin: LoraAdmin | None = None) -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
-    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser, body_timeout)
+    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser, body_timeout, lora_admin)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if api_keys:
@@ -145,4 +177,6 @@ def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | 
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])
     return app

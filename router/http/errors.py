@@ -10,12 +10,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from base.errors import StatusError
 from router.core import RequestError
 from router.http.disconnect import ClientGone
 
 log = logging.getLogger(__name__)
 
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+               grpc.StatusCode.ALREADY_EXISTS: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
                grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
                grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
@@ -54,6 +56,8 @@ def api_error(error: Exception) -> APIError:
     if isinstance(error, RequestError):
         return APIError(HTTP_STATUS.get(error.code, 500), error.message, param=error.param,
                         retry_after=error.retry_after)
+    if isinstance(error, StatusError):
+        return APIError(HTTP_STATUS.get(error.code, 500), error.message)
     if isinstance(error, ValueError):
         return APIError(400, str(error))
     log.exception("generate failed", exc_info=error)

@@ -276,3 +276,13 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+    lora_name: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s/]+$")]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: Annotated[str, Field(min_length=1)]

@@ -1,4 +1,5 @@
-"""The models the HTTP API offers: one per model name the live schedulers serve, with its tokenizer for logprobs."""
+"""The models the HTTP API offers: one per model name the live schedulers serve, and one per LoRA adapter they
+have loaded (its base model's tokenizer), each with its tokenizer for logprobs."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,6 +18,7 @@ class ServedModel:
     route_name: str            # what the router matches schedulers on ("" when a scheduler did not say)
     tokenizer: RouterTokenizer
     max_model_len: int = 0
+    parent: str = ""           # a LoRA adapter's base model ("": a base model)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -53,5 +55,8 @@ def directory_models(directory: SchedulerDirectory) -> ModelsFn:
             name = info.model or Path(info.model_path).name
             if name not in models and info.model_path:
                 models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path), info.max_model_len)
+            for adapter in info.lora_adapters:
+                if adapter not in models and name in models:
+                    models[adapter] = ServedModel(adapter, adapter, models[name].tokenizer, info.max_model_len, name)
         return list(models.values())
     return served

@@ -1,0 +1,161 @@
+"""Multi-LoRA through `ferry up` (two schedulers): the base model and adapters of ranks 8, 16 and 64 served at once,
+each token-exact against PEFT's merged model; /v1/models lists the adapters with their base; adapters load and
+unload at run time under traffic with no request failed; unknown adapters are a 404 naming them, bad ones refused
+with the reason; the admin routes need an API key where keys are configured."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from ferry.launcher import free_port
+from protos import router_pb2, router_pb2_grpc
+from tests.conftest import transformers_greedy
+from tests.engine_fixtures import random_prompts
+from tests.lora_fixtures import build_peft_adapter, merged_model
+from tests.services_fixtures import collect, greedy
+
+FERRY = str(Path(sys.executable).parent / "ferry")
+API_KEY = "sk-lora-test"
+MAX_TOKENS = 8
+RANKS = {"a8": 8, "a16": 16, "a64": 64, "late": 16}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("served_adapters")
+    return {name: str(build_peft_adapter(tiny_llama_dir, root / name, rank, seed=rank + 7 * len(name)))
+            for name, rank in RANKS.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(seed=11, count=8, lengths=range(4, 40))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, adapters, prompts) -> dict[str, list[list[int]]]:
+    return {name: transformers_greedy(merged_model(tiny_llama_dir, adapters.get(name)), prompts, MAX_TOKENS)
+            for name in ["", *adapters]}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir, adapters, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("lora_keys") / "keys"
+    key_file.write_text(f"{API_KEY}\n")
+    port, http_port = free_port(), free_port()
+    modules = [f"{name}={adapters[name]}" for name in ("a8", "a16", "a64")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
+    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", str(http_port), "--heartbeat-ttl", "2",
+                           "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
+                           "--kv-cache-memory", str(1 << 22), "--num-schedulers", "2", "--api-key-file",
+                           str(key_file), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
+                           "--lora-modules", *modules], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    lines = []
+    for line in up.stdout:
+        lines.append(line)
+        if line.startswith("[ferry] ready"):
+            break
+    else:
+        raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
+    threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()   # keep its pipe drained
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield router_pb2_grpc.RouterStub(channel), f"http://127.0.0.1:{http_port}"
+    channel.close()
+    up.send_signal(signal.SIGTERM)
+    up.wait(timeout=60)
+
+
+def stream(router, prompt: list[int], model: str = ""):
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
+                                         sampling=greedy(MAX_TOKENS, ignore_eos=True), model=model)
+    return router.Generate(request, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=120)
+
+
+def generate(router, prompt: list[int], model: str = "") -> list[int]:
+    return collect(stream(router, prompt, model))[0]
+
+
+def post(base: str, path: str, body: dict, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{base}{path}", json=body, headers=headers, timeout=120)
+
+
+def test_base_and_three_adapters_served_together_match_peft_merged_models(stack, prompts, references):
+    router, _ = stack
+    names = ["", "a8", "a16", "a64"]
+    jobs = [(i, names[i % 4]) for i in range(len(prompts))]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        outputs = list(pool.map(lambda job: generate(router, prompts[job[0]], job[1]), jobs))
+    for (i, name), tokens in zip(jobs, outputs):
+        assert tokens == references[name][i], f"prompt {i} with adapter {name!r}"
+
+
+def test_models_lists_the_adapters_with_their_base(stack, tiny_llama_dir):
+    _, base = stack
+    listed = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]
+    parents = {m["id"]: m["parent"] for m in listed}
+    base_name = Path(tiny_llama_dir).name
+    assert parents == {base_name: None, "a8": base_name, "a16": base_name, "a64": base_name}
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(stack):
+    router, base = stack
+    response = post(base, "/v1/completions", {"model": "no-such-adapter", "prompt": [5, 6, 7], "max_tokens": 2})
+    assert response.status_code == 404 and "no-such-adapter" in response.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(router, [5, 6, 7], "no-such-adapter")
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-adapter" in refused.value.details()
+
+
+def test_a_bad_adapter_is_refused_at_load_with_the_reason(stack, tmp_path):
+    _, base = stack
+    refused = post(base, "/v1/load_lora_adapter", {"lora_name": "nothing", "lora_path": str(tmp_path)})
+    assert refused.status_code == 400 and "adapter_config.json" in refused.json()["error"]["message"]
+    unauthorized = post(base, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}, key=None)
+    assert unauthorized.status_code == 401
+    missing = post(base, "/v1/unload_lora_adapter", {"lora_name": "never-loaded"})
+    assert missing.status_code == 404
+
+
+def test_loading_and_unloading_under_traffic_fails_no_request(stack, adapters, prompts, references):
+    """Base-model traffic runs throughout; an adapter is loaded and used; another is unloaded while its requests
+    run: those finish exactly, and only requests sent after the unload are refused (404)."""
+    router, base = stack
+    failures, stop = [], threading.Event()
+
+    def base_traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                if generate(router, prompts[i % len(prompts)]) != references[""][i % len(prompts)]:
+                    failures.append(f"base prompt {i % len(prompts)}: wrong tokens")
+            except grpc.RpcError as e:
+                failures.append(f"base: {e.code().name} {e.details()}")
+            i += 1
+    sender = threading.Thread(target=base_traffic)
+    sender.start()
+    try:
+        loaded = post(base, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": adapters["late"]})
+        assert loaded.status_code == 200, loaded.text
+        assert [generate(router, p, "late") for p in prompts[:3]] == references["late"][:3]
+        running = [stream(router, prompts[i], "a16") for i in range(4)]
+        first = [list(next(responses).token_ids) for responses in running]   # each has begun on a scheduler
+        unloaded = post(base, "/v1/unload_lora_adapter", {"lora_name": "a16"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert [f + collect(rest)[0] for f, rest in zip(first, running)] == references["a16"][:4]
+        response = post(base, "/v1/completions", {"model": "a16", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert response.status_code == 404
+    finally:
+        stop.set()
+        sender.join()
+    assert not failures
