@@ -37,6 +37,8 @@ BENCHMARKS = {
                                                           "prompts: tok/s, inter-token latency, acceptance, exactness"),
     "gguf-blocks": Bench("benchmarks.engine.gguf_blocks", "CPU decode steps with linears from a GGUF file's "
                                                           "quantized blocks vs fp32 weights"),
+    "lora": Bench("benchmarks.engine.lora", "tok/s with 1, 4 and 16 distinct LoRA adapters in the batch against the "
+                                            "base model alone (random adapters)"),
     "worker-start": Bench("benchmarks.engine.worker_start", "the time a CPU worker spends loading the default "
                                                             "model's weights"),
     # services: real processes (`ferry up`, a router against a synthetic scheduler), over gRPC and HTTP

@@ -51,4 +51,5 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
     for start, length, slot in zip(rows.starts, rows.lengths, rows.slots):
         index = rows.order[start:start + length]
         shrunk = x.index_select(0, index) @ a_stack[slot].t()
-        out.index_add_(0, index, shrunk @ b_stack[slot].t())
+        # index_put_ rather than index_add_, whose CPU kernel takes ~25 ms for a few rows (torch 2.13)
+        out.index_put_((index,), shrunk @ b_stack[slot].t(), accumulate=True)

@@ -180,3 +180,11 @@ def test_gguf_blocks_bench_times_both_weight_forms_of_the_default_model(monkeypa
     assert gguf_blocks.main([]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("121 linears") and lines[-1].startswith("| 2 |")
+
+
+def test_lora_bench_runs_adapters_against_the_base_model(tiny_llama_dir):
+    result = run_bench("lora", "--model", str(tiny_llama_dir), "--dtype", "float32", "--adapters", "1,3",
+                       "--num-requests", "4", "--prompt-len", "6", "--max-tokens", "3", "--rounds", "1")
+    assert set(result["output_tokens_per_s"]) == {"base (LoRA off)", "base (LoRA on)", "1 adapters", "3 adapters"}
+    assert all(value > 0 for value in result["output_tokens_per_s"].values())
+    assert result["ratio_to_base"]["base (LoRA off)"] == 1.0
