@@ -82,7 +82,8 @@ def least_loaded(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> 
 
 RUNNING_TOKEN_WEIGHT = 0.1     # a running sequence's context token slows the steps ahead: a tenth of a prefill token
 RECENT_WINDOW_S = 1.0          # a scheduler's heartbeat (ttl / 3): what the router sent since, Redis cannot know yet
-ADAPTER_LOAD_TOKENS = 512      # making a LoRA adapter resident, in prefill tokens: see adapter_load_work
+ADAPTER_LOAD_TOKENS = 2048     # sending a request where its LoRA adapter is not resident, in prefill tokens: see
+                               # adapter_load_work
 
 
 def uncached_tokens(info: SchedulerInfo, request: RoutingInput, matched_blocks: int) -> int:
@@ -96,10 +97,13 @@ def adapter_load_work(info: SchedulerInfo, request: RoutingInput, load_tokens: f
     """What making the request's LoRA adapter resident on `info` costs, in prefill tokens: nothing for the base
     model, or where the adapter is resident (as published, or where this router just sent it: `sent_there`).
 
-    The default, 512 tokens, is more than the copy itself (a rank-16 adapter of an 8B model, ~80 MB, crosses PCIe
-    in a few ms, ~150 prefill tokens on an H100; one of SmolLM2-135M, ~10 MB, is copied in ~2 ms on the CPU): a
-    load also evicts an adapter that other requests may want next, and waits for a slot where every slot has
-    running requests. It stays far below a busy queue, so an overloaded holder still loses to an idle scheduler."""
+    The default, 2,048 tokens, is far more than the copy (a rank-16 adapter of an 8B model, ~80 MB, crosses PCIe in
+    a few ms; one of SmolLM2-135M, ~10 MB, is copied in ~2 ms on the CPU): where every device slot holds an adapter
+    that running requests use, the request waits for one to drain (a whole decode: seconds), and a load evicts an
+    adapter others may want next. In the cluster simulation (16 schedulers, 64 adapters, 4 slots each, `tenants`)
+    512 left most of adapter-blind routing's slot waits, 2,048 halved its p90 TTFT at 1 req/s per scheduler and
+    cost little at 0.5, and 8,192 passed idle schedulers over for too long (p90 up 1.4-2x at 0.5-0.75 req/s). An
+    overloaded holder still loses to an idle scheduler once its queue outweighs the load."""
     if not request.adapter or request.adapter in info.resident_lora_adapters or info.scheduler_id in sent_there:
         return 0.0
     return load_tokens
