@@ -1,8 +1,8 @@
 """The prefix block hash, part of the contract: router and scheduler must compute it identically.
 
-h(-1) = xxh3_64(model name, seed[, LoRA adapter]);
-h(i) = xxh3_64(h(i-1) as 8 LE bytes || token ids of block i as u32 LE)
-over full blocks only. A block's hash therefore names the whole prefix up to and including that block.
+h(-1) = xxh3_64(model name, seed[, LoRA adapter]);  h(i) = xxh3_64(h(i-1) as 8 LE bytes || token ids of block i as
+u32 LE) over full blocks only. A block's hash therefore names the whole prefix up to and including that block, and,
+through the root, the adapter it was computed with: KV is never shared between adapters, or with the base model.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import xxhash
 
 
 def root_hash(model_name: str, seed: int = 0, adapter: str = "") -> int:
-    """An adapter's prefixes chain from a root of their own: KV computed with one adapter is never another's."""
+    """The chain's root: the base model's (adapter "") or one LoRA adapter's of it."""
     key = f"ferry:{model_name}:{seed}:lora:{adapter}" if adapter else f"ferry:{model_name}:{seed}"
     return xxhash.xxh3_64_intdigest(key.encode())
 
@@ -25,7 +25,8 @@ def next_block_hash(parent: int, block_token_ids: Sequence[int]) -> int:
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, model_name: str, seed: int = 0,
                 parent: int | None = None, start_block: int = 0, adapter: str = "") -> list[int]:
-    """Chained hashes of the full blocks of token_ids, from block start_block on (parent = hash before it)."""
+    """Chained hashes of the full blocks of token_ids, from block start_block on (parent = hash before it; else the
+    root of the model, or of its LoRA adapter `adapter`)."""
     h = root_hash(model_name, seed, adapter) if parent is None else parent
     hashes = []
     for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):

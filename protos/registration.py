@@ -5,8 +5,10 @@ Key scheme (every key starts with the prefix, default "ferry"):
                                       routers read it (never SCAN the keyspace) and SREM the ids whose
                                       registration has expired.
   <prefix>:scheduler:<scheduler_id>   string, JSON of SchedulerInfo (address, model, model_path, block_size,
-                                      max_model_len, vocab_size, hash_seed and load: waiting/running requests
-                                      and tokens; with a cluster token, "signature": see Trust below), SET with
+                                      max_model_len, vocab_size, hash_seed, load: waiting/running requests
+                                      and tokens, and LoRA adapters: those loaded (lists of names, absent in
+                                      older registrations: none) and those resident in the worker's device
+                                      slots; with a cluster token, "signature": see Trust below), SET with
                                       PX=ttl on every heartbeat; a dead scheduler's key expires on its own.
   <prefix>:blocks:<scheduler_id>      set of the chained hashes (protos.block_hash, decimal u64) of the KV blocks
                                       the scheduler holds: SADD on store, SREM on evict; with --announce-prompts
@@ -33,11 +35,12 @@ import dataclasses
 import hashlib
 import hmac
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 KEY_PREFIX = "ferry"
 SIGNATURE_KEY = "signature"
-FIELD_TYPES = {"str": str, "int": int}   # SchedulerInfo's field annotations, as `from __future__` leaves them
+FIELD_TYPES = {"str": str, "int": int, "list[str]": list}   # SchedulerInfo's annotations, as `from __future__`
+LIST_ITEM_TYPES = {"list[str]": str}                         # leaves them, and what a list field's items are
 
 
 @dataclass
@@ -54,6 +57,8 @@ class SchedulerInfo:
     num_running: int = 0
     waiting_tokens: int = 0
     running_tokens: int = 0
+    lora_adapters: list[str] = field(default_factory=list)            # loaded: requests may name them
+    resident_lora_adapters: list[str] = field(default_factory=list)   # in the device's slots: no load to wait for
 
     @property
     def load_tokens(self) -> int:
@@ -69,15 +74,21 @@ class SchedulerInfo:
         """ValueError naming a field that is missing or of the wrong type; fields unknown here are ignored."""
         values = {}
         for spec in dataclasses.fields(cls):
-            if spec.name not in fields:
-                if spec.default is dataclasses.MISSING:
-                    raise ValueError(f"no field {spec.name!r}")
-                continue
-            value = fields[spec.name]
-            if type(value) is not FIELD_TYPES[spec.type]:   # `type is`, so that a bool is no int
-                raise ValueError(f"field {spec.name!r} is {type(value).__name__}, not {spec.type}")
-            values[spec.name] = value
+            if spec.name in fields:
+                values[spec.name] = checked_field(spec.name, spec.type, fields[spec.name])
+            elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+                raise ValueError(f"no field {spec.name!r}")
         return cls(**values)
+
+
+def checked_field(name: str, annotation: str, value: object) -> object:
+    """`value` when it is of the field's type (`type is`, so that a bool is no int), a list's items too."""
+    if type(value) is not FIELD_TYPES[annotation]:
+        raise ValueError(f"field {name!r} is {type(value).__name__}, not {annotation}")
+    item_type = LIST_ITEM_TYPES.get(annotation)
+    if item_type is not None and any(type(item) is not item_type for item in value):
+        raise ValueError(f"field {name!r} holds an item that is not {item_type.__name__}")
+    return value
 
 
 def signed_registration(info: SchedulerInfo, cluster_token: str) -> str:

@@ -25,7 +25,7 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLease, KeyLimiter, OverLimit
-from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished, policy_name
+from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished, policy_name, requested_adapter
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
 from router.router_telemetry import RequestObservation, RouterTelemetry
@@ -145,12 +145,18 @@ class Router:
         check_prompt(prompt_ids, params, candidates[0])
         await admit_key(lease, len(prompt_ids))
         admit_tenant(ticket, len(prompt_ids))
-        hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed)
+        adapter = requested_adapter(request.model, candidates[0].model)
+        hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed,
+                             adapter=adapter)
         request_id = request.request_id or uuid.uuid4().hex
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
                                await self.directory.prefix_matches(candidates[0].model, hashes),
-                               prefix_index_live=self.directory.prefix_index_live, request_id=request_id)
-        plan = self.retries.plan(self.policy(candidates, routing))
+                               prefix_index_live=self.directory.prefix_index_live, request_id=request_id,
+                               adapter=adapter)
+        ranked = self.policy(candidates, routing)
+        if not ranked:   # no candidate has the adapter loaded (any more)
+            raise model_not_found(request.model, candidates)
+        plan = self.retries.plan(ranked)
 
         def new_state() -> StreamState:   # a fresh one per attempt: a retry starts from the first token
             return StreamState(request_id, len(prompt_ids),
@@ -178,11 +184,9 @@ class Router:
         if not schedulers:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
         if model:
-            serving = [s for s in schedulers if s.model == model]
+            serving = [s for s in schedulers if model == s.model or model in s.lora_adapters]
             if not serving:
-                names = sorted({s.model for s in schedulers})
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"model {model!r} is not served here (serving: {', '.join(names)})")
+                raise model_not_found(model, schedulers)
             return serving
         return schedulers
 
@@ -296,6 +300,13 @@ class Router:
             return RequestError(grpc.StatusCode.UNAVAILABLE,
                                 f"{log.reason} (not retried: no other scheduler to try)")
         return RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request")
+
+
+def model_not_found(model: str, schedulers: list[SchedulerInfo]) -> RequestError:
+    """NOT_FOUND naming `model` (a base model or LoRA adapter no live scheduler serves) and what is served."""
+    names = sorted({s.model for s in schedulers} | {a for s in schedulers for a in s.lora_adapters})
+    return RequestError(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist (serving: {', '.join(names)})",
+                       param="model")
 
 
 def resumed_request(upstream: scheduler_pb2.ScheduleRequest, state: StreamState) -> scheduler_pb2.ScheduleRequest:

@@ -194,7 +194,7 @@ class SchedulerDirectory:
                 log.warning("scheduler %s given on the command line is not answering: %s", address, e.code().name)
                 continue
             self.static[address] = SchedulerInfo(stats.scheduler_id or address, address, "", self.static_model_path,
-                                                 stats.block_size, 0, 0)
+                                                 stats.block_size, 0, 0, lora_adapters=list(stats.lora_adapters))
 
     async def close(self) -> None:
         if hasattr(self, "task"):

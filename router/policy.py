@@ -1,4 +1,7 @@
-"""Routing policies: pick one live scheduler for a request. A policy is a plain function, so new ones plug in."""
+"""Routing policies: pick one live scheduler for a request. A policy is a plain function, so new ones plug in.
+
+A request that names a LoRA adapter goes only to schedulers that have it loaded (every policy filters on it); the
+cache-aware policy also weighs where the adapter is resident against the cost of loading it elsewhere."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +25,7 @@ class RoutingInput:
     prefix_index_live: bool = True   # False: Redis is down, matched_blocks says nothing
     now: float = field(default_factory=time.monotonic)
     request_id: str = ""             # a stateful policy is told when it ends (its `finish`)
+    adapter: str = ""                # the LoRA adapter the request runs with ("": the base model)
 
 
 RoutingPolicy = Callable[[Sequence[SchedulerInfo], RoutingInput], list[SchedulerInfo]]
@@ -39,6 +43,19 @@ def notify_finished(policy: RoutingPolicy, request_id: str) -> None:
     finish = getattr(policy, "finish", None)
     if finish is not None:
         finish(request_id)
+
+
+def requested_adapter(requested_model: str, served_model: str) -> str:
+    """The LoRA adapter a request names by its model (GenerateRequest.model, the OpenAI body's `model`): "" when it
+    names no model or the base model the schedulers serve."""
+    return "" if requested_model in ("", served_model) else requested_model
+
+
+def with_adapter(candidates: Sequence[SchedulerInfo], adapter: str) -> list[SchedulerInfo]:
+    """The candidates that can serve `adapter`: those that have it loaded (all of them for the base model)."""
+    if not adapter:
+        return list(candidates)
+    return [info for info in candidates if adapter in info.lora_adapters]
 
 
 def rendezvous_weight(scheduler_id: str, key: int) -> int:
@@ -60,11 +77,13 @@ def least_loaded(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> 
         load = max(info.num_waiting + info.num_running, request.pending.get(info.scheduler_id, 0))
         return load, -rendezvous_weight(info.scheduler_id, key)
 
-    return sorted(candidates, key=rank)
+    return sorted(with_adapter(candidates, request.adapter), key=rank)
 
 
 RUNNING_TOKEN_WEIGHT = 0.1     # a running sequence's context token slows the steps ahead: a tenth of a prefill token
 RECENT_WINDOW_S = 1.0          # a scheduler's heartbeat (ttl / 3): what the router sent since, Redis cannot know yet
+ADAPTER_LOAD_TOKENS = 2048     # sending a request where its LoRA adapter is not resident, in prefill tokens: see
+                               # adapter_load_work
 
 
 def uncached_tokens(info: SchedulerInfo, request: RoutingInput, matched_blocks: int) -> int:
@@ -73,29 +92,56 @@ def uncached_tokens(info: SchedulerInfo, request: RoutingInput, matched_blocks: 
     return num_prompt - min(matched_blocks * (info.block_size or 16), num_prompt - 1)
 
 
-def expected_work(info: SchedulerInfo, request: RoutingInput, matched_blocks: int, recent_work: int = 0) -> float:
+def adapter_load_work(info: SchedulerInfo, request: RoutingInput, load_tokens: float = ADAPTER_LOAD_TOKENS,
+                      sent_there: frozenset[str] = frozenset()) -> float:
+    """What making the request's LoRA adapter resident on `info` costs, in prefill tokens: nothing for the base
+    model, or where the adapter is resident (as published, or where this router just sent it: `sent_there`).
+
+    The default, 2,048 tokens, is far more than the copy (a rank-16 adapter of an 8B model, ~80 MB, crosses PCIe in
+    a few ms; one of SmolLM2-135M, ~10 MB, is copied in ~2 ms on the CPU): where every device slot holds an adapter
+    that running requests use, the request waits for one to drain (a whole decode: seconds), and a load evicts an
+    adapter others may want next. In the cluster simulation (16 schedulers, 64 adapters, 4 slots each, `tenants`)
+    512 left most of adapter-blind routing's slot waits, 2,048 halved its p90 TTFT at 1 req/s per scheduler and
+    cost little at 0.5, and 8,192 passed idle schedulers over for too long (p90 up 1.4-2x at 0.5-0.75 req/s). An
+    overloaded holder still loses to an idle scheduler once its queue outweighs the load."""
+    if not request.adapter or request.adapter in info.resident_lora_adapters or info.scheduler_id in sent_there:
+        return 0.0
+    return load_tokens
+
+
+def expected_work(info: SchedulerInfo, request: RoutingInput, matched_blocks: int, recent_work: int = 0,
+                  adapter_load: float = 0.0) -> float:
     """Tokens a scheduler must get through before this request's first token: its queued prefill (as of its
-    heartbeat, plus what this router sent it since), its running decodes' context, and the request's own uncached
-    prompt. A cache hit and a queue are weighed in the same unit."""
+    heartbeat, plus what this router sent it since), its running decodes' context, the request's own uncached
+    prompt, and loading its LoRA adapter where not resident (`adapter_load`, from adapter_load_work). A cache hit,
+    a queue and an adapter load are weighed in the same unit."""
     queued = info.waiting_tokens + recent_work
-    return queued + RUNNING_TOKEN_WEIGHT * info.running_tokens + uncached_tokens(info, request, matched_blocks)
+    return (queued + RUNNING_TOKEN_WEIGHT * info.running_tokens + uncached_tokens(info, request, matched_blocks)
+            + adapter_load)
 
 
 def rank_by_work(candidates: Sequence[SchedulerInfo], request: RoutingInput, matched: dict[str, int],
-                 recent: dict[str, int]) -> list[SchedulerInfo]:
+                 recent: dict[str, int], adapter_load: dict[str, float] | None = None) -> list[SchedulerInfo]:
     """Least expected work first, ties to the rendezvous winner of the first block (equal prefixes gather).
 
     No separate imbalance guard: the queue term already moves a hot prefix on once its holder's queue outweighs a
     cold prefill elsewhere. A guard on raw load tokens (queued + running context) was measured to hurt: it sent
     requests to cold schedulers whenever a holder ran long contexts, and on `tenants` in the cluster simulation
-    (16 schedulers, 16 req/s) it cost 10% of the throughput and doubled p90 TTFT (BENCHMARKS.md)."""
+    (16 schedulers, 16 req/s) it cost 10% of the throughput and doubled p90 TTFT (BENCHMARKS.md).
+
+    Only schedulers with the request's adapter loaded are ranked; `adapter_load`: each one's cost of making it
+    resident (adapter_load_work; None: from the published resident adapters, at the default cost)."""
     key = affinity_key(request)
+    serving = with_adapter(candidates, request.adapter)
+    if adapter_load is None:
+        adapter_load = {info.scheduler_id: adapter_load_work(info, request) for info in serving}
 
     def rank(info: SchedulerInfo) -> tuple[float, int]:
-        work = expected_work(info, request, matched.get(info.scheduler_id, 0), recent.get(info.scheduler_id, 0))
+        work = expected_work(info, request, matched.get(info.scheduler_id, 0), recent.get(info.scheduler_id, 0),
+                             adapter_load.get(info.scheduler_id, 0.0))
         return work, -rendezvous_weight(info.scheduler_id, key)
 
-    return sorted(candidates, key=rank)
+    return sorted(serving, key=rank)
 
 
 def cache_aware(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
@@ -109,10 +155,15 @@ class CacheAwarePolicy:
     in flight, count as queued work, and as cached blocks where the prefix index cannot show them yet. A hot
     prefix therefore spreads: once its holder's queue outweighs a cold prefill elsewhere, the next request goes
     elsewhere, and the router then knows two holders. `use_prefix_index=False` is the approximate policy (history
-    only, no Redis), which is also what this policy falls back to when the prefix index is down."""
+    only, no Redis), which is also what this policy falls back to when the prefix index is down.
+
+    A LoRA adapter is resident where the schedulers' heartbeats say so, or where this router sent a request for it
+    within the window; elsewhere its load costs `adapter_load_tokens` (0: residency ignored, adapter-blind)."""
     use_prefix_index: bool = True
     history: RoutingHistory = field(default_factory=RoutingHistory)
     recent_window_s: float = RECENT_WINDOW_S
+    adapter_load_tokens: float = ADAPTER_LOAD_TOKENS
+    adapters_sent: dict[str, dict[str, float]] = field(default_factory=dict)   # adapter -> scheduler id -> when
 
     @property
     def __name__(self) -> str:
@@ -122,12 +173,26 @@ class CacheAwarePolicy:
         matched = self.matched_blocks(request)
         recent = {c.scheduler_id: self.history.recent_work(c.scheduler_id, request.now, self.recent_window_s)
                   for c in candidates}
-        ranked = rank_by_work(candidates, request, matched, recent)
+        ranked = rank_by_work(candidates, request, matched, recent, self.adapter_load(candidates, request))
+        if not ranked:
+            return ranked
         chosen = ranked[0]
         added = (uncached_tokens(chosen, request, matched.get(chosen.scheduler_id, 0))
                  + RUNNING_TOKEN_WEIGHT * len(request.prompt_token_ids))   # its prefill, then its running context
         self.history.record(chosen.scheduler_id, request.block_hashes, round(added), request.now, request.request_id)
+        if request.adapter:
+            self.adapters_sent.setdefault(request.adapter, {})[chosen.scheduler_id] = request.now
         return ranked
+
+    def adapter_load(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> dict[str, float]:
+        """Each candidate's cost of making the request's adapter resident (nothing where it was sent lately)."""
+        if not request.adapter:
+            return {}
+        since = request.now - self.recent_window_s
+        sent_there = frozenset(scheduler_id for scheduler_id, at in self.adapters_sent.get(request.adapter, {}).items()
+                               if at >= since)
+        return {info.scheduler_id: adapter_load_work(info, request, self.adapter_load_tokens, sent_there)
+                for info in candidates}
 
     def finish(self, request_id: str) -> None:
         """Called by the router when a request ends, so its work stops counting as queued."""
@@ -152,7 +217,8 @@ def random_policy(seed: int | None = None) -> RoutingPolicy:
     rng = random.Random(seed)
 
     def random_choice(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
-        return rng.sample(list(candidates), len(candidates))
+        serving = with_adapter(candidates, request.adapter)
+        return rng.sample(serving, len(serving))
 
     return random_choice
 
@@ -163,8 +229,8 @@ def round_robin_policy(start: int | None = None) -> RoutingPolicy:
     turns = itertools.count(random.randrange(1 << 30) if start is None else start)
 
     def round_robin(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
-        ordered = sorted(candidates, key=lambda info: info.scheduler_id)
-        start = next(turns) % len(ordered)
+        ordered = sorted(with_adapter(candidates, request.adapter), key=lambda info: info.scheduler_id)
+        start = next(turns) % max(1, len(ordered))
         return ordered[start:] + ordered[:start]
 
     return round_robin

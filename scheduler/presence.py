@@ -7,15 +7,25 @@ rewritten whole by the next heartbeat Redis takes: Redis accelerates routing and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from protos import scheduler_pb2
 from protos.registration import KEY_PREFIX, SchedulerInfo, blocks_key, registry_key, scheduler_key, signed_registration
 
 log = logging.getLogger(__name__)
+
+
+def current_registration(identity: SchedulerInfo, stats: scheduler_pb2.StatsResponse) -> SchedulerInfo:
+    """What a heartbeat publishes: the scheduler's identity with its load and LoRA adapters as its stats say now."""
+    return dataclasses.replace(identity, num_waiting=stats.num_waiting, num_running=stats.num_running,
+                               waiting_tokens=stats.waiting_tokens, running_tokens=stats.running_tokens,
+                               lora_adapters=list(stats.lora_adapters),
+                               resident_lora_adapters=list(stats.resident_lora_adapters))
 
 
 class Registry:

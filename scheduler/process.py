@@ -4,7 +4,6 @@ it registers in Redis, and SIGTERM's drain (finish what is in flight, take nothi
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ from protos.registration import SchedulerInfo
 from scheduler.engine_loop import EngineLoop
 from scheduler.grpc_service import SchedulerService
 from scheduler.options import ServeOptions
-from scheduler.presence import Registry
+from scheduler.presence import Registry, current_registration
 from scheduler.scheduler_telemetry import Reporting
 from scheduler.stall_watch import StallWatch
 from scheduler.worker_process import WorkerProcess
@@ -110,17 +109,12 @@ async def start_grpc(loop: EngineLoop, scheduler_id: str, options: ServeOptions
 
 def start_registry(loop: EngineLoop, options: ServeOptions, identity: SchedulerInfo,
                    serving_fn: Callable[[], bool]) -> Registry | None:
-    """Heartbeats carrying identity and the loop's current load while serving_fn() says so, and the loop's KV
-    events; None without Redis."""
+    """Heartbeats carrying identity and the loop's current load and LoRA adapters while serving_fn() says so, and
+    the loop's KV events; None without Redis."""
     if not options.redis_url:
         return None
-
-    def registration() -> SchedulerInfo:
-        stats = loop.scheduler.stats()
-        return dataclasses.replace(identity, num_waiting=stats.num_waiting, num_running=stats.num_running,
-                                   waiting_tokens=stats.waiting_tokens, running_tokens=stats.running_tokens)
-
-    registry = Registry(options.redis_url, registration, ttl=options.heartbeat_ttl, password=options.redis_password,
+    registry = Registry(options.redis_url, lambda: current_registration(identity, loop.scheduler.stats()),
+                        ttl=options.heartbeat_ttl, password=options.redis_password,
                         held_fn=lambda: loop.scheduler.block_manager.published_hashes(), serving_fn=serving_fn,
                         cluster_token=options.cluster_token)
     loop.on_kv_events = registry.push_kv_events

@@ -3,9 +3,15 @@ schedulers (benchmarks/cluster/cluster_sim.py). Reports per policy and rate: out
 hit rate (prefix-cache hit tokens / looked-up prompt tokens, the schedulers' own counters) and load imbalance (the
 busiest scheduler's busy time over the mean). Rates are given per scheduler, so one command compares cluster
 sizes at the same load per scheduler; the report also gives the cluster's rate.
+
+With `--adapters A` every request names one of A LoRA adapters (Zipf-popular, `--adapter-zipf-s`), each scheduler
+holds `--max-loras` of them resident at once and pays `--lora-load-s` to load another; the report adds the adapter
+loads, and the policy `adapter_blind` (cache_aware with adapter residency ignored) is the baseline of adapter-aware
+routing. The issue 36 figure: `--adapters 64 --num-schedulers 16 --policies round_robin,adapter_blind,cache_aware`.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +20,15 @@ import numpy as np
 
 from benchmarks.cluster.cluster_sim import ClusterSim, SimRequest
 from benchmarks.cluster.cost_model import load_profile
+from benchmarks.cluster.sim_adapters import DEFAULT_MAX_LORAS, AdapterSetup
 from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, report
+from benchmarks.common.routing_workloads import adapter_names, adapter_picks
 from benchmarks.common.workloads import BenchRequest
 from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
 
 TTFT_TARGET_S = 2.0
+BENCH_POLICIES = {**POLICIES, "adapter_blind": lambda: CacheAwarePolicy(adapter_load_tokens=0)}
+"""The router's policies, and cache_aware blind to where adapters are resident (the baseline of adapter affinity)."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +42,20 @@ class RunSpec:
     num_routers: int = 1
     heartbeat_s: float = 1.0             # how often the schedulers publish their load (ttl / 3 in `ferry up`)
     announce_prompts: bool = False       # the schedulers' --announce-prompts
+    num_adapters: int = 0                # LoRA adapters the requests name (0: the base model only)
+    adapter_zipf_s: float = 1.1          # their popularity (0: uniform)
+    max_loras: int = DEFAULT_MAX_LORAS   # adapters resident at once on a scheduler
+    lora_load_s: float | None = None     # seconds to make one resident (None: the profile's)
 
     @property
     def rate(self) -> float:
         return self.rate_per_scheduler * self.num_schedulers
+
+    def adapter_setup(self) -> AdapterSetup | None:
+        if not self.num_adapters:
+            return None
+        load_s = load_profile(self.profile).lora_load_s if self.lora_load_s is None else self.lora_load_s
+        return AdapterSetup(tuple(adapter_names(self.num_adapters)), self.max_loras, load_s)
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:
@@ -45,10 +65,13 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:
     return np.cumsum(gaps)
 
 
-def sim_requests(requests: list[BenchRequest], rate: float, seed: int) -> list[SimRequest]:
+def sim_requests(requests: list[BenchRequest], rate: float, seed: int, num_adapters: int = 0,
+                 adapter_zipf_s: float = 1.1) -> list[SimRequest]:
     arrivals = poisson_arrivals(len(requests), rate, seed)
-    return [SimRequest(f"r{i}", float(t), list(r.prompt_token_ids), r.max_tokens)
-            for i, (r, t) in enumerate(zip(requests, arrivals))]
+    adapters = adapter_picks(len(requests), num_adapters, adapter_zipf_s, seed) if num_adapters else [""] * len(
+        requests)
+    return [SimRequest(f"r{i}", float(t), list(r.prompt_token_ids), r.max_tokens, adapter)
+            for i, (r, t, adapter) in enumerate(zip(requests, arrivals, adapters))]
 
 
 def percentiles(values: list[float]) -> dict[str, float] | None:
@@ -73,13 +96,23 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
             "ttft_s": percentiles([r.first_token_s - r.arrival_s for r in done]),
             "hit_rate": round(hits / queries, 4) if queries else None,
             "imbalance": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else None,
-            "simulated_s": round(span, 2)}
+            "simulated_s": round(span, 2), **adapter_summary(spec, sim)}
+
+
+def adapter_summary(spec: RunSpec, sim: ClusterSim) -> dict:
+    """With adapters: the set-up, and how many times an adapter was made resident (loads) or a request waited for a
+    slot because every slot held an adapter some running request needed."""
+    if sim.adapters is None:
+        return {}
+    return {"adapters": spec.num_adapters, "adapter_zipf_s": spec.adapter_zipf_s, "max_loras": spec.max_loras,
+            "lora_load_s": sim.adapters.load_s, "adapter_loads": sum(n.slots.loads for n in sim.nodes.values()),
+            "slot_waits": sum(n.slot_waits for n in sim.nodes.values())}
 
 
 def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
     """One policy instance per router replica, each built as `python -m router` builds its own; cache_aware's
     window of routed work the schedulers' load cannot show yet is one heartbeat, as in the router."""
-    factory = POLICIES[spec.policy]
+    factory = BENCH_POLICIES[spec.policy]
     policies = [factory(spec.seed + i) if spec.policy == "random" else factory(i) if spec.policy == "round_robin"
                 else factory() for i in range(spec.num_routers)]   # seeded: the same figures run to run
     for policy in policies:
@@ -90,8 +123,8 @@ def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
 
 def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
     sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks,
-                     spec.heartbeat_s, announce_prompts=spec.announce_prompts)
-    timeline = sim.run(sim_requests(requests, spec.rate, spec.seed))
+                     spec.heartbeat_s, announce_prompts=spec.announce_prompts, adapters=spec.adapter_setup())
+    timeline = sim.run(sim_requests(requests, spec.rate, spec.seed, spec.num_adapters, spec.adapter_zipf_s))
     return summarize(spec, sim, timeline)
 
 
@@ -100,9 +133,10 @@ def sweep(specs: list[RunSpec], requests: list[BenchRequest]) -> list[dict]:
     for spec in specs:
         result = run_one(spec, requests)
         ttft = result["ttft_s"] or {"p90": float("nan")}
+        loads = f", adapter loads {result['adapter_loads']}" if "adapter_loads" in result else ""
         print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {spec.policy} {spec.rate:g} req/s: "
               f"{result['output_tokens_per_s']:.1f} out tok/s, TTFT p90 {ttft['p90']:.2f}s, "
-              f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}", file=sys.stderr, flush=True)
+              f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}{loads}", file=sys.stderr, flush=True)
         runs.append(result)
     return runs
 
@@ -136,20 +170,50 @@ def claims(runs: list[dict]) -> dict:
                         else None}
             for (size, policy, rate), r in by_key.items() if size == n and policy == "cache_aware"
             for ll in [by_key.get((n, "least_loaded", rate))] if ll}
+        adapter_affinity = adapter_claims(by_key, n)
+        if adapter_affinity:
+            result["adapter_blind/cache_aware"] = adapter_affinity
         out[str(n)] = result
     return out
 
 
+def adapter_claims(by_key: dict[tuple, dict], num_schedulers: int) -> dict:
+    """Per rate, with adapters: adapter_blind's TTFT and adapter loads over cache_aware's (above 1: affinity helps)."""
+    out = {}
+    for (size, policy, rate), aware in by_key.items():
+        blind = by_key.get((size, "adapter_blind", rate))
+        if size != num_schedulers or policy != "cache_aware" or not blind or "adapter_loads" not in aware:
+            continue
+        if aware["ttft_s"] and blind["ttft_s"]:
+            out[str(rate)] = {"ttft_p50": ratio(blind["ttft_s"]["p50"], aware["ttft_s"]["p50"]),
+                              "ttft_p90": ratio(blind["ttft_s"]["p90"], aware["ttft_s"]["p90"]),
+                              "adapter_loads": ratio(blind["adapter_loads"], aware["adapter_loads"])}
+    return out
+
+
 def table(runs: list[dict]) -> str:
+    with_adapters = any("adapter_loads" in r for r in runs)
     lines = [f"{'N':>3} {'req/s':>8} {'policy':<13} {'done':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
-             f"{'p99':>8} {'hit rate':>8} {'imbal':>6}"]
+             f"{'p99':>8} {'hit rate':>8} {'imbal':>6}" + (f" {'loads':>7} {'waits':>7}" if with_adapters else "")]
     for r in runs:
         t = r["ttft_s"] or {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
         hit = f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "-"
         lines.append(f"{r['num_schedulers']:>3} {r['request_rate']:>8g} {r['policy']:<13} {r['completed']:>6} "
                      f"{r['output_tokens_per_s']:>10.1f} {t['p50']:>8.2f}s {t['p90']:>7.2f}s {t['p99']:>7.2f}s "
-                     f"{hit:>8} {r['imbalance'] or 0:>6.2f}")
+                     f"{hit:>8} {r['imbalance'] or 0:>6.2f}"
+                     + (f" {r['adapter_loads']:>7} {r['slot_waits']:>7}" if with_adapters else ""))
     return "\n".join(lines)
+
+
+def add_adapter_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--adapters", type=int, default=0,
+                        help="LoRA adapters the requests name, one each (0: the base model only)")
+    parser.add_argument("--adapter-zipf-s", type=float, default=1.1,
+                        help="adapter popularity: adapter k is picked with weight 1 / (k+1)^s (0: uniform)")
+    parser.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
+                        help="adapters resident at once on a scheduler (its --max-loras)")
+    parser.add_argument("--lora-load-s", type=float, default=None,
+                        help="seconds to make an adapter resident (default: the profile's, cost_model.py)")
 
 
 def main(argv: list[str]) -> int:
@@ -157,7 +221,8 @@ def main(argv: list[str]) -> int:
     add_workload_args(parser)
     parser.set_defaults(workload="tenants", num_requests=2000)
     parser.add_argument("--num-schedulers", default="16", help="comma list, e.g. 16,64")
-    parser.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware")
+    parser.add_argument("--policies", default="round_robin,random,least_loaded,approximate,cache_aware",
+                        help=f"comma list of {', '.join(BENCH_POLICIES)}")
     parser.add_argument("--rates-per-scheduler", default="0.5,1,2",
                         help="Poisson req/s per scheduler, comma list (the cluster's rate is N times that)")
     parser.add_argument("--profile", default="cpu",
@@ -172,11 +237,13 @@ def main(argv: list[str]) -> int:
                                                                        "load (cache_aware's window follows)")
     parser.add_argument("--announce-prompts", action="store_true",
                         help="the schedulers publish a prompt's blocks when they admit it, not only once computed")
+    add_adapter_args(parser)
     parser.add_argument("--plot-dir", type=Path)
     args = parser.parse_args(argv)
     requests = load_requests(args)
     specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
-                     args.heartbeat_s, args.announce_prompts)
+                     args.heartbeat_s, args.announce_prompts, args.adapters, args.adapter_zipf_s, args.max_loras,
+                     args.lora_load_s)
              for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
              for policy in args.policies.split(",")]
     runs = sweep(specs, requests)

@@ -7,26 +7,31 @@ The prefix index is what the schedulers' KV events would publish to Redis, appli
 the router sees is each scheduler's registration as of its last heartbeat. Requests are routed on arrival by the
 same policy function `ferry up` runs, and admission control (a full queue: try the next) is the real one. With
 several routers (replicas behind a load balancer) each has its own policy instance and in-flight counts, arrivals
-go to them in turn, and a request's finish is told to the router that routed it.
+go to them in turn, and a request's finish is told to the router that routed it. With LoRA adapters
+(benchmarks/cluster/sim_adapters.py) each scheduler has device slots, a request may wait for one and pay its
+adapter's load, and the heartbeats publish the resident adapters the router weighs.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from benchmarks.cluster.cost_model import CostProfile, step_work
+from benchmarks.cluster.sim_adapters import AdapterRootedBlockManager, AdapterSetup, AdapterSlots
 from protos import worker_pb2
-from protos.block_hash import hash_blocks
+from protos.block_hash import hash_blocks, root_hash
 from protos.registration import SchedulerInfo
 from router.discovery import leading_matches
 from router.policy import RoutingInput, RoutingPolicy, notify_finished
 from scheduler.admission import AdmissionLimits, QueueFull
+from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
+from scheduler.presence import current_registration
 
 MODEL = "sim"
 BLOCK_SIZE = 16
@@ -40,6 +45,7 @@ class SimRequest:
     arrival_s: float
     prompt: list[int]
     max_tokens: int
+    adapter: str = ""                    # the LoRA adapter it names ("": the base model)
     block_hashes: list[int] = field(default_factory=list)
     scheduler_id: str = ""
     router: int = 0                      # which router replica routed it
@@ -51,12 +57,32 @@ class SimRequest:
 
 @dataclass
 class SimNode:
-    """One scheduler of the cluster, the step it is running, and what its last heartbeat told the router."""
+    """One scheduler of the cluster, the step it is running, and what its last heartbeat told the router; with
+    adapters, its device slots, the requests waiting for one, and the loads its next step pays for."""
     scheduler_id: str
     scheduler: Scheduler
-    info: SchedulerInfo
+    adapters: AdapterSetup | None = None
     step: worker_pb2.StepRequest | None = None
     busy_s: float = 0.0
+    waiting_for_slot: deque[SimRequest] = field(default_factory=deque)
+    slot_waits: int = 0                  # requests that found every slot held when they arrived
+    load_s_pending: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.identity = SchedulerInfo(self.scheduler_id, f"sim:{self.scheduler_id}", MODEL, MODEL, BLOCK_SIZE,
+                                      MAX_MODEL_LEN, VOCAB, 0)
+        self.slots = AdapterSlots(self.adapters.max_loras) if self.adapters else None
+        self.info = self.registration()
+
+    def registration(self) -> SchedulerInfo:
+        """What a scheduler's heartbeat writes (scheduler/presence.py), from its Stats; with adapters, also the
+        loaded and resident ones, and the requests waiting for a slot count as queued (as inside a scheduler)."""
+        info = current_registration(self.identity, self.scheduler.stats())
+        if self.slots is None:
+            return info
+        return replace(info, num_waiting=info.num_waiting + len(self.waiting_for_slot),
+                       waiting_tokens=info.waiting_tokens + sum(len(r.prompt) for r in self.waiting_for_slot),
+                       lora_adapters=list(self.adapters.names), resident_lora_adapters=list(self.slots.resident))
 
 
 @dataclass
@@ -81,21 +107,14 @@ class PrefixIndex:
         return leading_matches([self.holders.get(h, set()) for h in block_hashes], alive)
 
 
-def registration(node_id: str, scheduler: Scheduler) -> SchedulerInfo:
-    """What a scheduler's heartbeat writes (scheduler/process.py), from its Stats."""
-    stats = scheduler.stats()
-    return SchedulerInfo(node_id, f"sim:{node_id}", MODEL, MODEL, BLOCK_SIZE, MAX_MODEL_LEN, VOCAB, 0,
-                         stats.num_waiting, stats.num_running, stats.waiting_tokens, stats.running_tokens)
-
-
-def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = False) -> SimNode:
+def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = False,
+             adapters: AdapterSetup | None = None) -> SimNode:
     config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens,
                           announce_prompts=announce_prompts)
     model = worker_pb2.ModelInfo(num_blocks=kv_blocks, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                                  model_name=MODEL)
-    scheduler = Scheduler(config, model)
-    node_id = f"sched-{index:02d}"
-    return SimNode(node_id, scheduler, registration(node_id, scheduler))
+    scheduler = Scheduler(config, model, AdapterRootedBlockManager if adapters else BlockManager)
+    return SimNode(f"sched-{index:02d}", scheduler, adapters)
 
 
 def synthetic_result(scheduler: Scheduler, step: worker_pb2.StepRequest) -> worker_pb2.StepResult:
@@ -110,16 +129,17 @@ def synthetic_result(scheduler: Scheduler, step: worker_pb2.StepRequest) -> work
 class ClusterSim:
     """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
     a list of them: one per router replica, each given every len(list)-th arrival. `announce_prompts` is the
-    schedulers' --announce-prompts: they publish a prompt's blocks when they admit it, not only once computed."""
+    schedulers' --announce-prompts: they publish a prompt's blocks when they admit it, not only once computed.
+    `adapters`: the LoRA adapters requests may name, and each scheduler's slots for them."""
 
     def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
                  kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
-                 announce_prompts: bool = False):
-        self.profile, self.heartbeat_s, self.limits = profile, heartbeat_s, limits
+                 announce_prompts: bool = False, adapters: AdapterSetup | None = None):
+        self.profile, self.heartbeat_s, self.limits, self.adapters = profile, heartbeat_s, limits, adapters
         self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
         self.arrivals = itertools.count()
         self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks,
-                                                           announce_prompts) for i in range(num_schedulers))}
+                                                           announce_prompts, adapters) for i in range(num_schedulers))}
         self.index = PrefixIndex()
         self.requests: dict[str, SimRequest] = {}
         self.events: list[tuple[float, int, Callable, object]] = []
@@ -132,7 +152,7 @@ class ClusterSim:
 
     def run(self, requests: list[SimRequest]) -> list[SimRequest]:
         for request in requests:
-            request.block_hashes = hash_blocks(request.prompt, BLOCK_SIZE, MODEL)
+            request.block_hashes = hash_blocks(request.prompt, BLOCK_SIZE, MODEL, adapter=request.adapter)
             self.requests[request.request_id] = request
             self.at(request.arrival_s, self.arrive, request)
         self.outstanding = len(requests)
@@ -147,29 +167,51 @@ class ClusterSim:
         router = self.routers[request.router]
         routing = RoutingInput(request.prompt, request.block_hashes, dict(router.pending),
                                self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
-                               request_id=request.request_id)
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+                               request_id=request.request_id, adapter=request.adapter)
         for info in router.policy([n.info for n in self.nodes.values()], routing):
             node = self.nodes[info.scheduler_id]
             try:
                 self.limits.check(node.scheduler, len(request.prompt))
             except QueueFull:
                 continue
-            node.scheduler.add_request(request.request_id, request.prompt, params)
             request.scheduler_id = node.scheduler_id
             router.pending[node.scheduler_id] += 1
-            self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())   # as scheduler/engine_loop
-            if node.step is None:
-                self.start_step(node)
+            if request.adapter and not node.slots.can_take(request.adapter):
+                node.waiting_for_slot.append(request)
+                node.slot_waits += 1
+            else:
+                self.admit(node, request)
             return
         request.rejected = True
         self.outstanding -= 1
+
+    def admit(self, node: SimNode, request: SimRequest) -> None:
+        """Into the scheduler, its adapter resident (loaded before the next step where it was not)."""
+        if request.adapter:
+            if node.slots.take(request.adapter):
+                node.load_s_pending += self.adapters.load_s
+            node.scheduler.block_manager.request_roots[request.request_id] = root_hash(MODEL, 0, request.adapter)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        node.scheduler.add_request(request.request_id, request.prompt, params)
+        self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())   # as scheduler/engine_loop
+        if node.step is None:
+            self.start_step(node)
+
+    def admit_waiting_for_slot(self, node: SimNode) -> None:
+        """The requests a freed slot lets in, in arrival order (a resident adapter's never wait behind others)."""
+        waiting, node.waiting_for_slot = node.waiting_for_slot, deque()
+        for request in waiting:
+            if node.slots.can_take(request.adapter):
+                self.admit(node, request)
+            else:
+                node.waiting_for_slot.append(request)
 
     def start_step(self, node: SimNode) -> None:
         node.step = node.scheduler.schedule()
         if node.step is None:
             return
-        duration = self.profile.step_seconds(step_work(node.step))
+        duration = self.profile.step_seconds(step_work(node.step)) + node.load_s_pending
+        node.load_s_pending = 0.0
         node.busy_s += duration
         self.at(self.now + duration, self.step_done, node)
 
@@ -190,9 +232,16 @@ class ClusterSim:
             router.pending[request.scheduler_id] -= 1
             self.outstanding -= 1
             notify_finished(router.policy, request_id)
+            if request.adapter:
+                self.release_adapter(self.nodes[request.scheduler_id], request)
+
+    def release_adapter(self, node: SimNode, request: SimRequest) -> None:
+        node.slots.release(request.adapter)
+        del node.scheduler.block_manager.request_roots[request.request_id]
+        self.admit_waiting_for_slot(node)
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():
-            node.info = registration(node.scheduler_id, node.scheduler)
+            node.info = node.registration()
         if self.events:   # nothing else scheduled: the run is over (or stuck, which its results will show)
             self.at(self.now + self.heartbeat_s, self.heartbeat)

@@ -13,7 +13,10 @@ BENCHMARKS.md on that machine:
     attention -> ~0.3 ms per decoded sequence on ~20 ms of fixed cost (weights streamed once a step);
   - a 2,048-token prefill step takes ~750 ms, ~150 ms of it attention -> prefill_token ~0.28 ms;
   - KV pool: the CPU default of 1 GiB at 23,040 bytes a token (30 layers x 3 KV heads x 64 dims x K+V x bf16)
-    -> 46,603 tokens, 2,912 blocks; max_num_seqs 128 and max_num_batched_tokens 2,048 are Ferry's defaults.
+    -> 46,603 tokens, 2,912 blocks; max_num_seqs 128 and max_num_batched_tokens 2,048 are Ferry's defaults;
+  - a LoRA adapter made resident (`--adapters`): rank 16 on every linear PEFT targets, 30 layers x 16 x (q 576+576,
+    k 576+192, v 576+192, o 576+576, gate and up 576+1,536, down 1,536+576) = 4.9 M parameters, 9.8 MB in bf16,
+    copied from host memory into its slot at ~5 GB/s -> 2 ms (an estimate, not a measurement; `--lora-load-s`).
 
 `h100_llama8b` — one H100 SXM serving Llama-3.1-8B in bf16, from published specifications (not a measurement):
   - NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16;
@@ -22,7 +25,11 @@ BENCHMARKS.md on that machine:
   - fixed: the weights read once a step, 16.1 GB / 3.35 TB/s = 4.8 ms, taken as 6 ms (~80% of peak bandwidth
     plus launch overhead); prefill and each decoded sequence: 2 x 8.03 GFLOP per token at 60% of peak compute
     -> 27 us; context: 128 KiB per token read at 80% of peak bandwidth -> 49 ns;
-  - KV pool: 80 GB x 0.9 - 16.1 GB weights - ~4 GB activations ~ 52 GB -> ~400 k tokens (25,000 blocks of 16).
+  - KV pool: 80 GB x 0.9 - 16.1 GB weights - ~4 GB activations ~ 52 GB -> ~400 k tokens (25,000 blocks of 16);
+  - a LoRA adapter made resident: rank 16 on every linear, 32 layers x 16 x (q 4,096+4,096, k and v 4,096+1,024,
+    o 4,096+4,096, gate and up 4,096+14,336, down 14,336+4,096) = 41.9 M parameters, 84 MB in bf16, from pinned
+    host memory over PCIe 5 at ~25 GB/s -> 3.4 ms.
+A fitted profile's adapter load is the `cpu` profile's (cost-fit times no loads).
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ class CostProfile:
     kv_blocks: int               # a scheduler's KV pool, in blocks of 16 tokens
     max_num_seqs: int
     max_num_batched_tokens: int
+    lora_load_s: float = 0.002   # making one LoRA adapter resident, added to the step that first runs it
 
     def step_seconds(self, work: StepWork) -> float:
         if not (work.prefill_tokens or work.decode_seqs):
@@ -60,9 +68,9 @@ class CostProfile:
 
 PROFILES = {p.name: p for p in (
     CostProfile("cpu", fixed_s=0.020, prefill_token_s=0.28e-3, decode_seq_s=0.3e-3, context_token_s=1.0e-6,
-                kv_blocks=2912, max_num_seqs=128, max_num_batched_tokens=2048),
+                kv_blocks=2912, max_num_seqs=128, max_num_batched_tokens=2048, lora_load_s=0.002),
     CostProfile("h100_llama8b", fixed_s=0.006, prefill_token_s=27e-6, decode_seq_s=27e-6, context_token_s=49e-9,
-                kv_blocks=25_000, max_num_seqs=256, max_num_batched_tokens=8192),
+                kv_blocks=25_000, max_num_seqs=256, max_num_batched_tokens=8192, lora_load_s=0.0034),
 )}
 
 

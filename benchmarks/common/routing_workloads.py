@@ -6,6 +6,9 @@
   question; several sessions are open at once and their turns are interleaved (turn order within a session kept).
   The answer tokens are the workload's own (a served model writes different ones), so what a later turn can find
   cached is its previous prompt, not the previous answer.
+
+And over any workload, the LoRA adapter each request names (`adapter_picks`): one of A adapters, drawn independently
+of the prompt, Zipf-popular (s = 1.1 by default; 0: uniform).
 """
 from __future__ import annotations
 
@@ -92,3 +95,15 @@ def multiturn(num_requests: int = 512, seed: int = 0, shape: MultiturnShape = Mu
 
 
 GENERATORS = {"tenants": tenants, "multiturn": multiturn}
+
+
+def adapter_names(num_adapters: int) -> list[str]:
+    return [f"lora-{k:03d}" for k in range(num_adapters)]
+
+
+def adapter_picks(num_requests: int, num_adapters: int, zipf_s: float = 1.1, seed: int = 0) -> list[str]:
+    """The adapter each request names: adapter k picked with weight 1 / (k + 1)^zipf_s, from a stream of its own
+    (the prompts drawn from the same seed are the same with or without adapters)."""
+    rng = np.random.default_rng([seed, num_adapters])
+    names = adapter_names(num_adapters)
+    return [names[k] for k in rng.choice(num_adapters, size=num_requests, p=zipf_weights(num_adapters, zipf_s))]

@@ -1,5 +1,5 @@
 """The cluster simulation: cost model and event loop on small cases with known answers, real schedulers and
-policies inside, and a small `ferry bench cluster` run."""
+policies inside, LoRA adapters' slots and loads, and a small `ferry bench cluster` run."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ from benchmarks.cluster.cluster_bench import RunSpec, router_policies, run_one, 
 from benchmarks.cluster.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
 from benchmarks.cluster.cost_fit import StepSample, fit
 from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
+from benchmarks.cluster.sim_adapters import AdapterSetup, AdapterSlots
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
@@ -210,3 +211,68 @@ def test_a_fitted_profile_file_drives_the_cluster_simulation(tiny_llama_dir, tmp
 def test_an_unknown_profile_is_named_in_the_error():
     with pytest.raises(ValueError, match="no-such-profile"):
         load_profile("no-such-profile")
+
+
+# --- LoRA adapters -----------------------------------------------------------------------------------------
+def test_slots_replace_the_least_recently_used_adapter_no_request_holds_and_are_full_when_all_are_held():
+    slots = AdapterSlots(max_loras=2)
+    assert slots.take("a") and slots.take("b") and not slots.take("a")   # loaded, loaded, resident
+    assert not slots.can_take("c")                                      # both held by running requests
+    slots.release("b")
+    assert slots.can_take("c") and slots.take("c")
+    assert list(slots.resident) == ["a", "c"] and slots.loads == 3       # b went: the one no request held
+
+
+def adapter_sim(load_s: float = 0.5, max_loras: int = 1, num_schedulers: int = 1,
+                policy: str = "round_robin") -> ClusterSim:
+    return ClusterSim(num_schedulers, SECONDS_PER_STEP, POLICIES[policy](),
+                      adapters=AdapterSetup(("a", "b"), max_loras, load_s))
+
+
+def test_the_first_step_of_a_request_whose_adapter_is_not_resident_pays_its_load():
+    sim = adapter_sim()
+    first, second = sim.run([SimRequest("r0", 0.0, list(range(100, 132)), 1, adapter="a"),
+                             SimRequest("r1", 5.0, list(range(200, 232)), 1, adapter="a")])
+    assert first.first_token_s - first.arrival_s == 1.5                   # a one-second step and the load
+    assert second.first_token_s - second.arrival_s == 1.0                 # resident since
+    assert sim.nodes["sched-00"].slots.loads == 1
+
+
+def test_a_request_waits_for_a_slot_while_every_slot_holds_an_adapter_in_use():
+    sim = adapter_sim(load_s=0.0)
+    first, second = sim.run([SimRequest("r0", 0.0, list(range(100, 132)), 3, adapter="a"),
+                             SimRequest("r1", 0.1, list(range(200, 232)), 1, adapter="b")])
+    assert second.first_token_s >= first.finished_s                      # one slot: b waited for a to finish
+    assert sim.nodes["sched-00"].slot_waits == 1
+
+
+def test_the_simulated_prefix_cache_never_shares_kv_across_adapters():
+    sim = ClusterSim(1, SECONDS_PER_PREFILL_TOKEN, POLICIES["round_robin"](),
+                     adapters=AdapterSetup(("a", "b"), max_loras=2))
+    prompt = list(range(100, 148))
+    sim.run([SimRequest("r0", 0.0, prompt, 1, adapter="a"), SimRequest("r1", 10.0, prompt, 1, adapter="b"),
+             SimRequest("r2", 20.0, prompt, 1, adapter="a")])
+    assert sim.nodes["sched-00"].scheduler.block_manager.counters.hits == 32   # only r2 finds a's blocks
+    assert sim.index.matches(hash_blocks(prompt, BLOCK_SIZE, MODEL, adapter="b"), set(sim.nodes)) == {"sched-00": 3}
+
+
+def test_adapter_aware_routing_loads_adapters_less_often_than_adapter_blind_routing():
+    requests = workloads.load("tenants", num_requests=200)
+    runs = {policy: run_one(RunSpec(4, policy, 1.0, "cpu", kv_blocks=1024, num_adapters=16), requests)
+            for policy in ("adapter_blind", "cache_aware")}
+    assert all(r["completed"] == 200 for r in runs.values())
+    aware, blind = runs["cache_aware"], runs["adapter_blind"]
+    assert aware["adapter_loads"] < blind["adapter_loads"] and aware["slot_waits"] < blind["slot_waits"]
+
+
+def test_ferry_bench_cluster_compares_adapter_aware_and_blind_routing():
+    out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "cluster", "--num-schedulers", "2",
+                          "--num-requests", "30", "--rates-per-scheduler", "1", "--policies",
+                          "adapter_blind,cache_aware", "--adapters", "4", "--max-loras", "2", "--json"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(out.stdout)
+    assert [(r["policy"], r["adapters"], r["max_loras"], r["completed"]) for r in result["runs"]] == [
+        ("adapter_blind", 4, 2, 30), ("cache_aware", 4, 2, 30)]
+    assert all(r["adapter_loads"] >= 2 and r["lora_load_s"] == 0.002 for r in result["runs"])
+    assert set(result["claims"]["2"]["adapter_blind/cache_aware"]["2.0"]) == {"ttft_p50", "ttft_p90",
+                                                                              "adapter_loads"}

@@ -147,7 +147,6 @@ def test_stop_string_ends_the_stream_and_is_never_streamed(services, engine):
     (dict(text="hello", sampling=greedy(0)), "max_tokens"),
     (dict(text="hello " * 1200, sampling=greedy(8)), "max_model_len"),
     (dict(token_ids=router_pb2.TokenIds(ids=[1, 2, 100000]), sampling=greedy(8)), "token ids"),
-    (dict(text="hello", model="no-such-model"), "not served"),
 ])
 def test_bad_input_is_invalid_argument_and_services_keep_serving(services, request_fields, reason):
     with pytest.raises(grpc.RpcError) as error:
@@ -156,6 +155,13 @@ def test_bad_input_is_invalid_argument_and_services_keep_serving(services, reque
     assert reason in error.value.details()
     token_ids, _, _ = collect(services.router().Generate(router_pb2.GenerateRequest(text="hi", sampling=greedy(4))))
     assert len(token_ids) >= 1
+
+
+def test_a_model_no_scheduler_serves_is_not_found_naming_it_and_what_is_served(services):
+    with pytest.raises(grpc.RpcError) as error:
+        collect(services.router().Generate(router_pb2.GenerateRequest(text="hello", model="no-such-model")))
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "model 'no-such-model' does not exist (serving: " in error.value.details()
 
 
 def worker_pid(scheduler_pid: int) -> int:

@@ -1,26 +1,34 @@
 """Routing policies on constructed cluster states: hit vs load, hot-prefix spreading, the approximate policy's
-history, Redis down, random."""
+history, Redis down, random; LoRA adapters: where loaded, where resident, and the prefix chain's root."""
 from __future__ import annotations
 
 from collections import Counter
 
-from protos.block_hash import hash_blocks
+import grpc
+import pytest
+import xxhash
+
+from protos.block_hash import hash_blocks, root_hash
 from protos.registration import SchedulerInfo
-from router.policy import POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, policy_name, rendezvous_weight
+from router.core import RequestError, Router
+from router.policy import (ADAPTER_LOAD_TOKENS, POLICIES, CacheAwarePolicy, RoutingInput, cache_aware, policy_name,
+                           rendezvous_weight, requested_adapter)
 from router.routing_history import RoutingHistory
 
 PREFIX = list(range(1000, 2024))          # 64 blocks of 16
 
 
-def info(scheduler_id: str, waiting_tokens: int = 0, running_tokens: int = 0) -> SchedulerInfo:
+def info(scheduler_id: str, waiting_tokens: int = 0, running_tokens: int = 0, loaded: tuple[str, ...] = (),
+         resident: tuple[str, ...] = ()) -> SchedulerInfo:
     return SchedulerInfo(scheduler_id, f"{scheduler_id}:1", "m", "/m", 16, 4096, 50_000,
-                         waiting_tokens=waiting_tokens, running_tokens=running_tokens)
+                         waiting_tokens=waiting_tokens, running_tokens=running_tokens, lora_adapters=list(loaded),
+                         resident_lora_adapters=list(resident))
 
 
 def request(prompt: list[int], matched: dict[str, int] | None = None, now: float = 0.0, live: bool = True,
-            in_flight: Counter | None = None, request_id: str = "") -> RoutingInput:
-    return RoutingInput(prompt, hash_blocks(prompt, 16, "m"), dict(in_flight or {}), matched or {},
-                        prefix_index_live=live, now=now, request_id=request_id)
+            in_flight: Counter | None = None, request_id: str = "", adapter: str = "") -> RoutingInput:
+    return RoutingInput(prompt, hash_blocks(prompt, 16, "m", adapter=adapter), dict(in_flight or {}), matched or {},
+                        prefix_index_live=live, now=now, request_id=request_id, adapter=adapter)
 
 
 def burst(policy, cluster: list[SchedulerInfo], num_requests: int, matched: dict[str, int] | None = None) -> Counter:
@@ -148,3 +156,80 @@ def test_a_policys_name_is_read_without_its_repr():
     assert policy_name(Stateful()) == "Stateful"
     named = ("cache_aware", "approximate", "least_loaded", "round_robin")
     assert [policy_name(POLICIES[name]()) for name in named] == list(named)
+
+
+# --- LoRA adapters -----------------------------------------------------------------------------------------
+def test_a_request_names_an_adapter_by_a_model_other_than_the_base():
+    assert requested_adapter("", "m") == "" and requested_adapter("m", "m") == ""
+    assert requested_adapter("sql-lora", "m") == "sql-lora"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_picks_only_schedulers_that_have_the_requested_adapter_loaded(name: str):
+    cluster = [info("idle"), info("holder", waiting_tokens=3000, loaded=("a",)), info("other", loaded=("b",)),
+               info("second", waiting_tokens=6000, loaded=("a", "b"))]
+    policy = POLICIES[name]()
+    for i in range(6):
+        ranked = policy(cluster, request(question(i), now=0.001 * i, adapter="a"))
+        assert sorted(c.scheduler_id for c in ranked) == ["holder", "second"]
+    assert {c.scheduler_id for c in policy(cluster, request(question(9)))} == {"idle", "holder", "other", "second"}
+    assert policy(cluster, request(question(10), adapter="nowhere")) == []
+
+
+def test_cache_aware_prefers_a_scheduler_where_the_adapter_is_resident():
+    cluster = [info("cold", waiting_tokens=100, loaded=("a",)), info("resident", waiting_tokens=300, loaded=("a",),
+                                                                      resident=("a",))]
+    assert CacheAwarePolicy()(cluster, request(question(0), adapter="a"))[0].scheduler_id == "resident"
+    assert cache_aware(cluster, request(question(0), adapter="a"))[0].scheduler_id == "resident"
+    assert CacheAwarePolicy()(cluster, request(question(0)))[0].scheduler_id == "cold"   # the base model: no load
+
+
+def test_an_overloaded_holder_of_the_adapter_loses_to_an_idle_scheduler_that_must_load_it():
+    cluster = [info("idle", loaded=("a",)), info("holder", waiting_tokens=ADAPTER_LOAD_TOKENS + 500, loaded=("a",),
+                                                  resident=("a",))]
+    assert CacheAwarePolicy()(cluster, request(question(0), adapter="a"))[0].scheduler_id == "idle"
+
+
+def test_the_adapter_blind_policy_ignores_where_the_adapter_is_resident():
+    cluster = [info("cold", waiting_tokens=100, loaded=("a",)), info("resident", waiting_tokens=300, loaded=("a",),
+                                                                      resident=("a",))]
+    blind = CacheAwarePolicy(adapter_load_tokens=0)
+    assert blind(cluster, request(question(0), adapter="a"))[0].scheduler_id == "cold"
+
+
+def test_between_heartbeats_the_router_counts_the_adapter_resident_where_it_just_sent_it():
+    cluster = [info(f"s{i}", loaded=("a",)) for i in range(4)]       # stale heartbeats: resident nowhere
+    policy = CacheAwarePolicy()
+    first = policy(cluster, request(question(0), now=0.0, adapter="a", request_id="r0"))[0].scheduler_id
+    policy.finish("r0")
+    other_prompt = list(range(30_000, 30_200))                        # no prefix in common with the first
+    assert policy(cluster, request(other_prompt, now=0.5, adapter="a"))[0].scheduler_id == first
+    after_the_window = request(other_prompt, now=5.0, adapter="a")    # by now heartbeats tell where it is
+    assert policy.adapter_load(cluster, after_the_window) == {c.scheduler_id: ADAPTER_LOAD_TOKENS for c in cluster}
+
+
+def test_the_base_models_root_hash_is_unchanged_and_each_adapter_roots_a_chain_of_its_own():
+    assert root_hash("m", 3) == root_hash("m", 3, "") == xxhash.xxh3_64_intdigest(b"ferry:m:3")
+    assert root_hash("m", 3, "a") == xxhash.xxh3_64_intdigest(b"ferry:m:3:lora:a")
+    assert len({root_hash("m", 3), root_hash("m", 3, "a"), root_hash("m", 3, "b")}) == 3
+    base, a, b = (hash_blocks(PREFIX, 16, "m", 3, adapter=name) for name in ("", "a", "b"))
+    assert base == hash_blocks(PREFIX, 16, "m", 3)
+    assert not (set(base) & set(a)) and not (set(a) & set(b))        # KV is never shared across adapters
+
+
+class StaticDirectory:
+    def __init__(self, schedulers: list[SchedulerInfo]):
+        self.live = schedulers
+
+    def schedulers(self) -> list[SchedulerInfo]:
+        return self.live
+
+
+def test_the_router_serves_an_adapter_from_the_schedulers_that_loaded_it_and_an_unknown_one_is_not_found():
+    router = Router(StaticDirectory([info("s0", loaded=("a",)), info("s1", loaded=("b",)), info("s2")]))
+    assert [c.scheduler_id for c in router.candidates("a")] == ["s0"]
+    assert [c.scheduler_id for c in router.candidates("m")] == ["s0", "s1", "s2"]
+    with pytest.raises(RequestError) as error:
+        router.candidates("sql-lora")
+    assert error.value.code == grpc.StatusCode.NOT_FOUND and error.value.param == "model"
+    assert error.value.message == "model 'sql-lora' does not exist (serving: a, b, m)"
