@@ -25,7 +25,9 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLease, KeyLimiter, OverLimit
-from router.policy import RoutingInput, RoutingPolicy, least_loaded, notify_finished, policy_name, requested_adapter
+from router.policy import (
+    RoutingInput, RoutingPolicy, least_loaded, notify_finished, policy_name, requested_adapter, with_adapter,
+)
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
 from router.router_telemetry import RequestObservation, RouterTelemetry
@@ -168,7 +170,7 @@ class Router:
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=request.sampling,   # validated (params), sent as it came
                                                  tenant=ticket.tenant.name, priority=request.priority,
-                                                 tenant_weight=ticket.tenant.policy.weight)
+                                                 tenant_weight=ticket.tenant.policy.weight, lora_name=adapter)
         observed.routed(request_id, policy_name(self.policy), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         return self.proxy(plan.targets, upstream, new_state, observed, hold)
@@ -198,7 +200,7 @@ class Router:
         start while no response reached the client, else (one sample) resumed after the tokens the client has, so
         that it sees one stream; after that the failure is the client's."""
         log, state = AttemptLog(), new_state()
-        async for target in self.attempt_order(targets, log):
+        async for target in self.attempt_order(targets, log, upstream.lora_name):
             if log.retry_pending:
                 self.allow_retry(log, observed, resuming=log.sent)
             started_at = self.retries.clock()
@@ -242,17 +244,18 @@ class Router:
         for response in held:
             yield response
 
-    async def attempt_order(self, planned: list[SchedulerInfo], log: AttemptLog) -> AsyncIterator[SchedulerInfo]:
+    async def attempt_order(self, planned: list[SchedulerInfo], log: AttemptLog, adapter: str = ""
+                            ) -> AsyncIterator[SchedulerInfo]:
         """The planned schedulers in turn; then, while a failed request waits for another, any live one of its model
-        that joined since it was planned (a long stream may outlive its plan; just after Redis lost everything the
-        router knows only those that registered again, so it looks for JOIN_WAIT_S)."""
+        (with its adapter loaded) that joined since it was planned (a long stream may outlive its plan; just after
+        Redis lost everything the router knows only those that registered again, so it looks for JOIN_WAIT_S)."""
         tried = set()
         for target in planned:
             tried.add(target.scheduler_id)
             yield target
         deadline = asyncio.get_running_loop().time() + JOIN_WAIT_S
         while log.retry_pending and planned:
-            joined = [s for s in self.directory.schedulers()
+            joined = [s for s in with_adapter(self.directory.schedulers(), adapter)
                       if s.model == planned[0].model and s.scheduler_id not in tried]
             if joined:
                 tried.add(joined[0].scheduler_id)

@@ -105,7 +105,7 @@ def adapter_summary(spec: RunSpec, sim: ClusterSim) -> dict:
     if sim.adapters is None:
         return {}
     return {"adapters": spec.num_adapters, "adapter_zipf_s": spec.adapter_zipf_s, "max_loras": spec.max_loras,
-            "lora_load_s": sim.adapters.load_s, "adapter_loads": sum(n.slots.loads for n in sim.nodes.values()),
+            "lora_load_s": sim.adapters.load_s, "adapter_loads": sum(n.adapter_loads for n in sim.nodes.values()),
             "slot_waits": sum(n.slot_waits for n in sim.nodes.values())}
 
 

@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from benchmarks.cluster.cost_model import CostProfile, step_work
-from benchmarks.cluster.sim_adapters import AdapterRootedBlockManager, AdapterSetup, AdapterSlots
+from benchmarks.cluster.sim_adapters import AdapterSetup
 from protos import worker_pb2
-from protos.block_hash import hash_blocks, root_hash
+from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
 from router.discovery import leading_matches
 from router.policy import RoutingInput, RoutingPolicy, notify_finished
 from scheduler.admission import AdmissionLimits, QueueFull
-from scheduler.block_manager import BlockManager
 from scheduler.core import Scheduler
 from scheduler.presence import current_registration
 
@@ -58,31 +57,29 @@ class SimRequest:
 @dataclass
 class SimNode:
     """One scheduler of the cluster, the step it is running, and what its last heartbeat told the router; with
-    adapters, its device slots, the requests waiting for one, and the loads its next step pays for."""
+    adapters, how many loads its steps made and how many requests found every slot in use."""
     scheduler_id: str
     scheduler: Scheduler
     adapters: AdapterSetup | None = None
     step: worker_pb2.StepRequest | None = None
     busy_s: float = 0.0
-    waiting_for_slot: deque[SimRequest] = field(default_factory=deque)
-    slot_waits: int = 0                  # requests that found every slot held when they arrived
-    load_s_pending: float = 0.0
+    adapter_loads: int = 0
+    slot_waits: int = 0                  # requests that found every slot held by running ones when they arrived
 
     def __post_init__(self) -> None:
         self.identity = SchedulerInfo(self.scheduler_id, f"sim:{self.scheduler_id}", MODEL, MODEL, BLOCK_SIZE,
                                       MAX_MODEL_LEN, VOCAB, 0)
-        self.slots = AdapterSlots(self.adapters.max_loras) if self.adapters else None
         self.info = self.registration()
 
     def registration(self) -> SchedulerInfo:
-        """What a scheduler's heartbeat writes (scheduler/presence.py), from its Stats; with adapters, also the
-        loaded and resident ones, and the requests waiting for a slot count as queued (as inside a scheduler)."""
-        info = current_registration(self.identity, self.scheduler.stats())
-        if self.slots is None:
-            return info
-        return replace(info, num_waiting=info.num_waiting + len(self.waiting_for_slot),
-                       waiting_tokens=info.waiting_tokens + sum(len(r.prompt) for r in self.waiting_for_slot),
-                       lora_adapters=list(self.adapters.names), resident_lora_adapters=list(self.slots.resident))
+        """What a scheduler's heartbeat writes (scheduler/presence.py), from its Stats (with its adapters)."""
+        return current_registration(self.identity, self.scheduler.stats())
+
+    def slots_taken(self, adapter: str) -> bool:
+        """Whether a request for adapter must wait for a slot: not resident, and every slot runs an adapter."""
+        lora = self.scheduler.lora
+        in_use = {seq.lora_name for seq in self.scheduler.running if seq.lora_name}
+        return adapter not in lora.resident and not lora.may_join(adapter, in_use)
 
 
 @dataclass
@@ -110,10 +107,13 @@ class PrefixIndex:
 def new_node(index: int, profile: CostProfile, kv_blocks: int, announce_prompts: bool = False,
              adapters: AdapterSetup | None = None) -> SimNode:
     config = EngineConfig(max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens,
-                          announce_prompts=announce_prompts)
+                          announce_prompts=announce_prompts, enable_lora=adapters is not None,
+                          max_loras=adapters.max_loras if adapters else 1)
     model = worker_pb2.ModelInfo(num_blocks=kv_blocks, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                                  model_name=MODEL)
-    scheduler = Scheduler(config, model, AdapterRootedBlockManager if adapters else BlockManager)
+    scheduler = Scheduler(config, model)
+    if adapters is not None:
+        scheduler.lora.loaded = {name: "" for name in adapters.names}
     return SimNode(f"sched-{index:02d}", scheduler, adapters)
 
 
@@ -176,42 +176,28 @@ class ClusterSim:
                 continue
             request.scheduler_id = node.scheduler_id
             router.pending[node.scheduler_id] += 1
-            if request.adapter and not node.slots.can_take(request.adapter):
-                node.waiting_for_slot.append(request)
-                node.slot_waits += 1
-            else:
-                self.admit(node, request)
+            node.slot_waits += bool(request.adapter) and node.slots_taken(request.adapter)
+            self.admit(node, request)
             return
         request.rejected = True
         self.outstanding -= 1
 
     def admit(self, node: SimNode, request: SimRequest) -> None:
-        """Into the scheduler, its adapter resident (loaded before the next step where it was not)."""
-        if request.adapter:
-            if node.slots.take(request.adapter):
-                node.load_s_pending += self.adapters.load_s
-            node.scheduler.block_manager.request_roots[request.request_id] = root_hash(MODEL, 0, request.adapter)
+        """Into the scheduler (its queue, where its adapter waits for a slot)."""
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        node.scheduler.add_request(request.request_id, request.prompt, params)
+        node.scheduler.add_request(request.request_id, request.prompt, params, lora_name=request.adapter)
         self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())   # as scheduler/engine_loop
         if node.step is None:
             self.start_step(node)
-
-    def admit_waiting_for_slot(self, node: SimNode) -> None:
-        """The requests a freed slot lets in, in arrival order (a resident adapter's never wait behind others)."""
-        waiting, node.waiting_for_slot = node.waiting_for_slot, deque()
-        for request in waiting:
-            if node.slots.can_take(request.adapter):
-                self.admit(node, request)
-            else:
-                node.waiting_for_slot.append(request)
 
     def start_step(self, node: SimNode) -> None:
         node.step = node.scheduler.schedule()
         if node.step is None:
             return
-        duration = self.profile.step_seconds(step_work(node.step)) + node.load_s_pending
-        node.load_s_pending = 0.0
+        duration = self.profile.step_seconds(step_work(node.step))
+        if node.step.lora_slots:   # the worker loads them before the step's forward
+            node.adapter_loads += len(node.step.lora_slots)
+            duration += len(node.step.lora_slots) * self.adapters.load_s
         node.busy_s += duration
         self.at(self.now + duration, self.step_done, node)
 
@@ -232,13 +218,6 @@ class ClusterSim:
             router.pending[request.scheduler_id] -= 1
             self.outstanding -= 1
             notify_finished(router.policy, request_id)
-            if request.adapter:
-                self.release_adapter(self.nodes[request.scheduler_id], request)
-
-    def release_adapter(self, node: SimNode, request: SimRequest) -> None:
-        node.slots.release(request.adapter)
-        del node.scheduler.block_manager.request_roots[request.request_id]
-        self.admit_waiting_for_slot(node)
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():

@@ -14,7 +14,7 @@ from benchmarks.cluster.cluster_bench import RunSpec, router_policies, run_one, 
 from benchmarks.cluster.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
 from benchmarks.cluster.cost_fit import StepSample, fit
 from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
-from benchmarks.cluster.sim_adapters import AdapterSetup, AdapterSlots
+from benchmarks.cluster.sim_adapters import AdapterSetup
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
@@ -214,15 +214,6 @@ def test_an_unknown_profile_is_named_in_the_error():
 
 
 # --- LoRA adapters -----------------------------------------------------------------------------------------
-def test_slots_replace_the_least_recently_used_adapter_no_request_holds_and_are_full_when_all_are_held():
-    slots = AdapterSlots(max_loras=2)
-    assert slots.take("a") and slots.take("b") and not slots.take("a")   # loaded, loaded, resident
-    assert not slots.can_take("c")                                      # both held by running requests
-    slots.release("b")
-    assert slots.can_take("c") and slots.take("c")
-    assert list(slots.resident) == ["a", "c"] and slots.loads == 3       # b went: the one no request held
-
-
 def adapter_sim(load_s: float = 0.5, max_loras: int = 1, num_schedulers: int = 1,
                 policy: str = "round_robin") -> ClusterSim:
     return ClusterSim(num_schedulers, SECONDS_PER_STEP, POLICIES[policy](),
@@ -235,7 +226,7 @@ def test_the_first_step_of_a_request_whose_adapter_is_not_resident_pays_its_load
                              SimRequest("r1", 5.0, list(range(200, 232)), 1, adapter="a")])
     assert first.first_token_s - first.arrival_s == 1.5                   # a one-second step and the load
     assert second.first_token_s - second.arrival_s == 1.0                 # resident since
-    assert sim.nodes["sched-00"].slots.loads == 1
+    assert sim.nodes["sched-00"].adapter_loads == 1
 
 
 def test_a_request_waits_for_a_slot_while_every_slot_holds_an_adapter_in_use():

@@ -48,16 +48,14 @@ def references(tiny_llama_dir, adapters, prompts) -> dict[str, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, adapters, tmp_path_factory):
-    key_file = tmp_path_factory.mktemp("lora_keys") / "keys"
-    key_file.write_text(f"{API_KEY}\n")
+def stack(tiny_llama_dir, adapters):
     port, http_port = free_port(), free_port()
     modules = [f"{name}={adapters[name]}" for name in ("a8", "a16", "a64")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
     up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", str(http_port), "--heartbeat-ttl", "2",
                            "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
-                           "--kv-cache-memory", str(1 << 22), "--num-schedulers", "2", "--api-key-file",
-                           str(key_file), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
+                           "--kv-cache-memory", str(1 << 22), "--num-schedulers", "2", "--api-key",
+                           API_KEY, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
                            "--lora-modules", *modules], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     lines = []
