@@ -50,6 +50,8 @@ class StatsCollector:
         yield self.counter("ferry:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens_total)
         yield self.counter("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield from self.spec_decode_counters(s)
+        if s.max_loras:
+            yield from self.lora_info(s)
 
     def spec_decode_counters(self, s: scheduler_pb2.StatsResponse) -> Iterator[CounterMetricFamily]:
         yield self.counter("ferry:spec_decode_num_drafts", "Speculative proposals verified.", s.spec_decode_num_drafts)
@@ -63,6 +65,16 @@ class StatsCollector:
         for position, accepted in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             family.add_metric([*self.labels[1], str(position)], accepted)
         yield family
+
+    def lora_info(self, s: scheduler_pb2.StatsResponse) -> Iterator[GaugeMetricFamily]:
+        """vLLM's lora_requests_info (the gateway's LoRA affinity reads it): the adapters running and waiting, as
+        comma-separated labels, and max_lora; its value is when it was read."""
+        for prefix in LOAD_GAUGE_PREFIXES:
+            family = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running and waiting LoRA adapters.",
+                                       labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            family.add_metric([",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters),
+                               str(s.max_loras)], time.time())
+            yield family
 
     def load_gauges(self, s: scheduler_pb2.StatsResponse) -> Iterator[GaugeMetricFamily]:
         for prefix in LOAD_GAUGE_PREFIXES:

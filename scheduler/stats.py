@@ -56,7 +56,10 @@ def stats_response(scheduler: SchedulerState) -> scheduler_pb2.StatsResponse:
         spec_decode_num_draft_tokens=counters.spec_proposed_tokens,
         spec_decode_num_accepted_tokens=counters.spec_accepted_tokens,
         spec_decode_num_accepted_tokens_per_pos=counters.spec_accepted_by_position,
-        lora_adapters=sorted(scheduler.lora.loaded), resident_lora_adapters=scheduler.lora.resident)
+        lora_adapters=sorted(scheduler.lora.loaded), resident_lora_adapters=scheduler.lora.resident,
+        running_lora_adapters=sorted({s.lora_name for s in scheduler.running if s.lora_name}),
+        waiting_lora_adapters=sorted({s.lora_name for s in scheduler.waiting if s.lora_name}),
+        max_loras=scheduler.lora.max_loras if scheduler.lora.enabled else 0)
 
 
 def queued_prefill_tokens(scheduler: SchedulerState) -> int:

@@ -28,3 +28,14 @@ def test_gateway_gauges_survive_the_text_exposition():
     names = {family.name: family.type for family in text_string_to_metric_families(text)}
     assert {names[n] for n in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                "vllm:kv_cache_usage_perc")} == {"gauge"}
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters_as_vllm_does():
+    stats = scheduler_pb2.StatsResponse(running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"], max_loras=4)
+    families = {f.name: f for f in StatsCollector(lambda: stats, "tiny").collect()}
+    for prefix in ("ferry", "vllm"):
+        [sample] = families[f"{prefix}:lora_requests_info"].samples
+        assert sample.labels == {"running_lora_adapters": "a,b", "waiting_lora_adapters": "c", "max_lora": "4"}
+        assert sample.value > 0   # when it was read, as vLLM's
+    off = {f.name for f in StatsCollector(lambda: scheduler_pb2.StatsResponse(), "tiny").collect()}
+    assert "vllm:lora_requests_info" not in off
