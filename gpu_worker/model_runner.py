@@ -167,7 +167,7 @@ class ModelRunner:
         """The step's forward, then sampling; forward_seconds covers both (on a GPU, sampling's ids coming back
         is what waits for the forward)."""
         # Decodes first, shortest context first, then prefill chunks: each attention group is a run of rows.
-        chunks.sort(key=lambda c: (c.num_tokens > 1, c.end))
+        chunks.sort(key=self.row_order)
         forward = self.graph_forward(chunks) if self.replays(chunks) else self.eager_forward(chunks)
         started = time.perf_counter()
         logits = forward()
@@ -178,6 +178,13 @@ class ModelRunner:
         sampled = sample(logits, rows, self.generator, self.eos_token_ids)
         self.forward_seconds = time.perf_counter() - started
         return sampled
+
+    def row_order(self, chunk: ScheduledChunk) -> tuple:
+        """Decodes first, shortest context first, then prefill chunks; with LoRA on a backend that runs all decodes
+        as one group, by adapter first, so that the rows of an adapter are adjacent (kernels/cpu_lora.py)."""
+        if self.lora is None or getattr(self.backend, "pads_decodes", lambda: False)():
+            return chunk.num_tokens > 1, chunk.end
+        return chunk.num_tokens > 1, self.lora.slot_of(chunk.seq.lora_name), chunk.end
 
     def replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A step of decodes only, each sampling, none gathering prompt logprobs, that a captured graph holds."""

@@ -6,7 +6,7 @@ b_stack [S, N, R], R the stack's width (the largest rank times the linear's slic
 adapters side by side, B block-diagonal), zero-padded past an adapter's own rank, its scaling folded into B."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class LoraRows:
     seg_starts: torch.Tensor   # int32 copies of the three lists, on the device
     seg_lengths: torch.Tensor
     seg_slots: torch.Tensor
+    runs: list[tuple[int, int, int]] = field(default_factory=list)   # (first row, end row, slot): consecutive rows
+    masks: dict = field(default_factory=dict)    # kernels/cpu_lora.py's, built once per step and stack width
 
     @classmethod
     def of(cls, row_slots: list[int], device: torch.device) -> LoraRows | None:
@@ -41,7 +43,18 @@ class LoraRows:
             order.extend(rows)
         as_device = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device)  # noqa: E731
         return cls(as_device(order, torch.long), starts, lengths, slots, as_device(starts, torch.int32),
-                   as_device(lengths, torch.int32), as_device(slots, torch.int32))
+                   as_device(lengths, torch.int32), as_device(slots, torch.int32), runs_of(row_slots))
+
+
+def runs_of(row_slots: list[int]) -> list[tuple[int, int, int]]:
+    """The runs of consecutive rows with one adapter: (first, end, slot), base-model rows left out."""
+    runs, first = [], 0
+    for row in range(1, len(row_slots) + 1):
+        if row == len(row_slots) or row_slots[row] != row_slots[first]:
+            if row_slots[first] >= 0:
+                runs.append((first, row, row_slots[first]))
+            first = row
+    return runs
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,

@@ -1,8 +1,8 @@
 """The device slots adapters run from, and the linears that run them: each of a decoder layer's linears (q|k|v,
-o, gate|up, down) gets an A stack [max_loras, R, K] and a B stack [max_loras, N, R] (R: --max-lora-rank times its
-slices), and computes base(x) + the LoRA product of each segment of rows that shares a slot (kernels/torch_lora.py
-on a CPU, kernels/triton_lora.py on CUDA). The scheduler says which adapter each slot holds (StepRequest.lora_slots);
-a step's rows of the base model cost nothing more."""
+o, gate|up, down) gets an A stack [max_loras, R, K] and a B stack (R: --max-lora-rank times its slices), and
+computes base(x) + the LoRA product of each segment of rows that shares a slot: on CUDA by kernels/triton_lora.py,
+B as [max_loras, N, R]; on a CPU by kernels/cpu_lora.py, B as [max_loras * R, N]. The scheduler says which adapter
+each slot holds (StepRequest.lora_slots); a step of base-model rows only costs nothing more."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -10,21 +10,21 @@ from dataclasses import dataclass, replace
 import torch
 
 from gpu_worker.lora.peft_adapter import LinearSlices, LoraWeights
-from kernels import torch_lora
+from kernels import cpu_lora, torch_lora
 from kernels.torch_lora import LoraRows
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # LayerPlan's fields, in order
 
 
 def lora_kernel(device: torch.device):
-    """add_lora(out, x, a_stack, b_stack, rows): Triton's on CUDA where it is installed, else torch's."""
-    if device.type == "cuda":
-        try:
-            from kernels import triton_lora
-            return triton_lora.add_lora
-        except ImportError:
-            pass
-    return torch_lora.add_lora
+    """add_lora(out, x, a_stack, b, rows): the CPU's, or Triton's on CUDA where it is installed, else torch's."""
+    if device.type == "cpu":
+        return cpu_lora.add_lora
+    try:
+        from kernels import triton_lora
+        return triton_lora.add_lora
+    except ImportError:
+        return torch_lora.add_lora
 
 
 class LoraSlots:
@@ -35,9 +35,11 @@ class LoraSlots:
         for layer in range(num_layers):
             for linear, slices in linears.items():
                 width = max_rank * len(slices.slice_sizes)
+                b_shape = ((max_loras * width, slices.out_features) if device.type == "cpu"
+                           else (max_loras, slices.out_features, width))
                 self.stacks[layer, linear] = (
                     torch.zeros(max_loras, width, slices.in_features, dtype=dtype, device=device),
-                    torch.zeros(max_loras, slices.out_features, width, dtype=dtype, device=device))
+                    torch.zeros(b_shape, dtype=dtype, device=device))
         self.rows: LoraRows | None = None   # the step's, set before its forward
         self.device = device
         self.add_lora = lora_kernel(device)
@@ -45,12 +47,14 @@ class LoraSlots:
     def place(self, slot: int, adapter: LoraWeights) -> None:
         """The adapter's weights into slot, replacing what the slot held."""
         for key, (a_stack, b_stack) in self.stacks.items():
+            width = a_stack.shape[1]
+            slot_b = b_stack[slot * width:(slot + 1) * width].t() if b_stack.dim() == 2 else b_stack[slot]
             a_stack[slot].zero_()
-            b_stack[slot].zero_()
+            slot_b.zero_()
             if key in adapter.linears:
                 a, b = adapter.linears[key]
                 a_stack[slot, :a.shape[0]].copy_(a)
-                b_stack[slot, :, :b.shape[1]].copy_(b)
+                slot_b[:, :b.shape[1]].copy_(b)
         self.names[slot] = adapter.name
 
     def slot_of(self, name: str) -> int:
