@@ -197,6 +197,8 @@ def test_stop_keeps_redis_up_until_the_services_have_exited():
     (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method: 'eagle' is not supported"),
     (["--tenant-config", '{"tenants": {"a": {"weight": -1}}}'], "tenants.a: weight must be positive"),
     (["--scheduling-policy", "lottery"], "invalid choice: 'lottery'"),
+    (["--lora-modules", "a=/x"], "lora_modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "nameonly"], "lora_modules: expected NAME=PATH, got 'nameonly'"),
 ])
 def test_a_bad_engine_flag_stops_ferry_up_before_any_process_starts(flags, error):
     marker = f"FERRY_TEST_MARKER={uuid.uuid4().hex}"

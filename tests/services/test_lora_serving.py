@@ -21,7 +21,7 @@ from protos import router_pb2, router_pb2_grpc
 from tests.conftest import transformers_greedy
 from tests.engine_fixtures import random_prompts
 from tests.lora_fixtures import build_peft_adapter, merged_model
-from tests.services_fixtures import collect, greedy
+from tests.services_fixtures import child_pids, collect, greedy
 
 FERRY = str(Path(sys.executable).parent / "ferry")
 API_KEY = "sk-lora-test"
@@ -67,7 +67,7 @@ def stack(tiny_llama_dir, adapters):
         raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
     threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()   # keep its pipe drained
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield router_pb2_grpc.RouterStub(channel), f"http://127.0.0.1:{http_port}"
+    yield router_pb2_grpc.RouterStub(channel), f"http://127.0.0.1:{http_port}", up.pid
     channel.close()
     up.send_signal(signal.SIGTERM)
     up.wait(timeout=60)
@@ -89,7 +89,7 @@ def post(base: str, path: str, body: dict, key: str | None = API_KEY) -> httpx.R
 
 
 def test_base_and_three_adapters_served_together_match_peft_merged_models(stack, prompts, references):
-    router, _ = stack
+    router, _, _ = stack
     names = ["", "a8", "a16", "a64"]
     jobs = [(i, names[i % 4]) for i in range(len(prompts))]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -99,7 +99,7 @@ def test_base_and_three_adapters_served_together_match_peft_merged_models(stack,
 
 
 def test_models_lists_the_adapters_with_their_base(stack, tiny_llama_dir):
-    _, base = stack
+    _, base, _ = stack
     listed = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]
     parents = {m["id"]: m["parent"] for m in listed}
     base_name = Path(tiny_llama_dir).name
@@ -107,7 +107,7 @@ def test_models_lists_the_adapters_with_their_base(stack, tiny_llama_dir):
 
 
 def test_an_unknown_adapter_is_a_404_naming_it(stack):
-    router, base = stack
+    router, base, _ = stack
     response = post(base, "/v1/completions", {"model": "no-such-adapter", "prompt": [5, 6, 7], "max_tokens": 2})
     assert response.status_code == 404 and "no-such-adapter" in response.json()["error"]["message"]
     with pytest.raises(grpc.RpcError) as refused:
@@ -116,7 +116,7 @@ def test_an_unknown_adapter_is_a_404_naming_it(stack):
 
 
 def test_a_bad_adapter_is_refused_at_load_with_the_reason(stack, tmp_path):
-    _, base = stack
+    _, base, _ = stack
     refused = post(base, "/v1/load_lora_adapter", {"lora_name": "nothing", "lora_path": str(tmp_path)})
     assert refused.status_code == 400 and "adapter_config.json" in refused.json()["error"]["message"]
     unauthorized = post(base, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}, key=None)
@@ -128,7 +128,7 @@ def test_a_bad_adapter_is_refused_at_load_with_the_reason(stack, tmp_path):
 def test_loading_and_unloading_under_traffic_fails_no_request(stack, adapters, prompts, references):
     """Base-model traffic runs throughout; an adapter is loaded and used; another is unloaded while its requests
     run: those finish exactly, and only requests sent after the unload are refused (404)."""
-    router, base = stack
+    router, base, _ = stack
     failures, stop = [], threading.Event()
 
     def base_traffic() -> None:
@@ -157,3 +157,25 @@ def test_loading_and_unloading_under_traffic_fails_no_request(stack, adapters, p
         stop.set()
         sender.join()
     assert not failures
+
+
+def test_a_killed_worker_loads_its_adapters_again_and_its_requests_go_on_token_for_token(stack, tiny_llama_dir,
+                                                                                         adapters, prompts,
+                                                                                         references):
+    """Both schedulers' workers are killed while a request runs with an adapter: it resumes on a new worker, which
+    loaded the scheduler's adapters again, with the tokens PEFT's merged model gives."""
+    router, _, up_pid = stack
+    long = 160
+    expected = transformers_greedy(merged_model(tiny_llama_dir, adapters["a8"]), [prompts[2]], long)[0]
+    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompts[2]), model="a8",
+                                         sampling=greedy(long, ignore_eos=True))
+    responses = router.Generate(request, metadata=(("authorization", f"Bearer {API_KEY}"),), timeout=300)
+    first = list(next(responses).token_ids)
+    workers = [pid for scheduler in child_pids(up_pid) for pid in child_pids(scheduler)
+               if b"gpu_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    assert first + collect(responses)[0] == expected
+    assert [generate(router, prompts[3], "a64") for _ in range(2)] == [references["a64"][3]] * 2
+    assert not set(workers) & {pid for scheduler in child_pids(up_pid) for pid in child_pids(scheduler)}
