@@ -16,7 +16,7 @@ DENSE_MAX_ROWS = 256   # past it, max_loras adapters' FLOPs for every row outwei
 def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_rows: torch.Tensor,
              rows: LoraRows) -> None:
     """out += each row's adapter product, in place. a_stack [S, R, K]; b_rows [S * R, N]: each slot's B transposed,
-    stacked (LoraSlots keeps it beside b_stack)."""
+    stacked (how LoraSlots keeps B on a CPU)."""
     num_slots, width, in_features = a_stack.shape
     if x.shape[0] <= DENSE_MAX_ROWS and len(rows.runs) > 1:
         shrunk = torch.mm(x, a_stack.view(num_slots * width, in_features).t())
