@@ -63,8 +63,39 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, adapters: lis
     return sum(len(r.token_ids) for r in results) / seconds
 
 
+def measure(directory: str, dtype: str, counts: list[int], rank: int = 16, num_requests: int = 32,
+            prompt_len: int = 128, max_tokens: int = 64, rounds: int = 2, kv_cache_memory: int = 0) -> dict:
+    """The figures of `ferry bench lora` (main's flags); kv_cache_memory: each of its two engines' pool (0: the
+    device's default, which on a GPU leaves the second engine nothing)."""
+    config = AutoConfig.from_pretrained(directory)
+    prompts = requests(num_requests, prompt_len, config.vocab_size)
+    common = dict(model=directory, dtype=dtype, max_num_seqs=max(num_requests, 1), enable_prefix_caching=False,
+                  kv_cache_memory=kv_cache_memory)
+    with tempfile.TemporaryDirectory() as scratch:
+        names = [f"lora{i}" for i in range(max(counts))]
+        modules = [f"{name}={write_random_adapter(Path(scratch) / name, config, rank, i)}"
+                   for i, name in enumerate(names)]
+        engines = {"no-lora": Engine(EngineConfig(**common)),
+                   "lora": Engine(EngineConfig(**common, enable_lora=True, lora_modules=modules,
+                                               max_loras=max(counts), max_lora_rank=rank))}
+        plan = {"base (LoRA off)": ("no-lora", [""]), "base (LoRA on)": ("lora", [""]),
+                **{f"{count} adapters": ("lora", names[:count]) for count in counts}}
+        for engine in engines.values():   # warm-up: every adapter placed once
+            run(engine, prompts[:max(counts)], 2, names if engine.config.enable_lora else [""])
+        figures: dict[str, list[float]] = {label: [] for label in plan}
+        for round_index in range(rounds):
+            for label, (engine, adapters) in plan.items():
+                figures[label].append(run(engines[engine], prompts, max_tokens, adapters))
+                print(f"[bench] round {round_index}: {label}: {figures[label][-1]:.1f} tok/s", file=sys.stderr)
+    tok_s = {label: round(statistics.median(values), 1) for label, values in figures.items()}
+    base = tok_s["base (LoRA off)"]
+    return {"machine": machine(), "dtype": dtype, "rank": rank, "num_requests": num_requests, "prompt_len": prompt_len,
+            "max_tokens": max_tokens, "output_tokens_per_s": tok_s,
+            "ratio_to_base": {label: round(value / base, 3) for label, value in tok_s.items()}}
+
+
 def main(argv: list[str]) -> int:
-    parser = bench_parser("lora", __doc__, json_output=False)
+    parser = bench_parser("lora", __doc__, json_output=True)
     add_model_args(parser)
     parser.add_argument("--adapters", default="1,4,16", help="comma list of distinct adapters in the batch")
     parser.add_argument("--rank", type=int, default=16)
@@ -72,32 +103,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes of each engine's pool (0: default)")
     args = parser.parse_args(argv)
-    directory, dtype = model_dir(args), concrete_dtype(args.dtype)
-    counts = [int(c) for c in args.adapters.split(",")]
-    config = AutoConfig.from_pretrained(directory)
-    prompts = requests(args.num_requests, args.prompt_len, config.vocab_size)
-    common = dict(model=directory, dtype=dtype, max_num_seqs=max(args.num_requests, 1), enable_prefix_caching=False)
-    with tempfile.TemporaryDirectory() as scratch:
-        names = [f"lora{i}" for i in range(max(counts))]
-        modules = [f"{name}={write_random_adapter(Path(scratch) / name, config, args.rank, i)}"
-                   for i, name in enumerate(names)]
-        engines = {"no-lora": Engine(EngineConfig(**common)),
-                   "lora": Engine(EngineConfig(**common, enable_lora=True, lora_modules=modules,
-                                               max_loras=max(counts), max_lora_rank=args.rank))}
-        plan = {"base (LoRA off)": ("no-lora", [""]), "base (LoRA on)": ("lora", [""]),
-                **{f"{count} adapters": ("lora", names[:count]) for count in counts}}
-        for engine in engines.values():   # warm-up: every adapter placed once
-            run(engine, prompts[:max(counts)], 2, names if engine.config.enable_lora else [""])
-        figures: dict[str, list[float]] = {label: [] for label in plan}
-        for round_index in range(args.rounds):
-            for label, (engine, adapters) in plan.items():
-                figures[label].append(run(engines[engine], prompts, args.max_tokens, adapters))
-                print(f"[bench] round {round_index}: {label}: {figures[label][-1]:.1f} tok/s", file=sys.stderr)
-    tok_s = {label: round(statistics.median(values), 1) for label, values in figures.items()}
-    base = tok_s["base (LoRA off)"]
-    report(args, {"machine": machine(), "dtype": dtype, "rank": args.rank, "num_requests": args.num_requests,
-                  "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "output_tokens_per_s": tok_s,
-                  "ratio_to_base": {label: round(value / base, 3) for label, value in tok_s.items()}})
+    report(args, measure(model_dir(args), concrete_dtype(args.dtype), [int(c) for c in args.adapters.split(",")],
+                         args.rank, args.num_requests, args.prompt_len, args.max_tokens, args.rounds,
+                         args.kv_cache_memory))
     return 0

@@ -6,9 +6,10 @@ JSON summary.
 First the checks that need no quiet device run side by side (the GPU-only tests, token-exactness against
 transformers, `ferry up` answering a chat request); then the timed steps one at a time (Ferry with CUDA graphs
 and eager vs transformers, the decode step against the memory bound, the decode kernel's bandwidth, continuous vs
-static and paged vs contiguous). Each step ends by its own timeout or the budget's, whichever comes first, and
-OUT_DIR/summary.json is rewritten after each, so a run cut short still says what it found; each step's log is
-OUT_DIR/logs/STEP.log. The random models are written under --work-dir (a temporary folder by default).
+static and paged vs contiguous, multi-LoRA against the base model). Each step ends by its own timeout or the
+budget's, whichever comes first, and OUT_DIR/summary.json is rewritten after each, so a run cut short still says
+what it found; each step's log is OUT_DIR/logs/STEP.log. The random models are written under --work-dir (a
+temporary folder by default).
 --smoke: the same steps at tiny shapes on the CPU (what the tests run, so that the GPU's minutes are never the
 first time a step runs).
 """
@@ -29,7 +30,7 @@ from benchmarks.gpu import steps as gpu_steps
 
 # (step, its own timeout in seconds); the first group runs side by side, the second in order
 SIDE_BY_SIDE = [("cuda_tests", 240), ("exactness", 200), ("serve", 240)]
-IN_ORDER = [("throughput", 200), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200)]
+IN_ORDER = [("throughput", 200), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200), ("lora", 150)]
 RESULT_PREFIX = "GPU_CHECK_RESULT "
 
 

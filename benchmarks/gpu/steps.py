@@ -43,16 +43,18 @@ class Plan:
     roofline_batch: int
     roofline_prompt: int
     kernel_contexts: tuple[int, ...]
+    lora_requests: int                  # multi-LoRA: requests in the batch, spread over 1, 4 and 16 adapters
 
 
 GPU_PLAN = Plan(device="cuda", exact_shapes=("tiny", "smollm2-135m"), exact_prompts=8, exact_tokens=32,
                 serve_shape="smollm2-135m", bench_shape="llama-3.2-1b", fixed_requests=256, fixed_prompt=512,
                 fixed_output=256, hf_requests=32, tailed_requests=64, tailed_max_output=512, tailed_max_num_seqs=16,
-                kv_gib_for_layouts=1.0, roofline_batch=64, roofline_prompt=512, kernel_contexts=(2048,))
+                kv_gib_for_layouts=1.0, roofline_batch=64, roofline_prompt=512, kernel_contexts=(2048,),
+                lora_requests=64)
 SMOKE_PLAN = Plan(device="cpu", exact_shapes=("tiny",), exact_prompts=2, exact_tokens=4, serve_shape="tiny",
                   bench_shape="tiny", fixed_requests=4, fixed_prompt=16, fixed_output=4, hf_requests=2,
                   tailed_requests=6, tailed_max_output=12, tailed_max_num_seqs=2, kv_gib_for_layouts=0.001,
-                  roofline_batch=2, roofline_prompt=8, kernel_contexts=(64,))
+                  roofline_batch=2, roofline_prompt=8, kernel_contexts=(64,), lora_requests=4)
 
 
 def model_dir(plan: Plan, work: Path, shape: str, dtype: torch.dtype, **overrides) -> Path:
@@ -257,5 +259,18 @@ def kernel_bench(plan: Plan, work: Path) -> dict:
     return json.loads(out.read_text()) if out.is_file() else {"skipped": "no CUDA device"}
 
 
+def lora(plan: Plan, work: Path) -> dict:
+    """Multi-LoRA on the device (`ferry bench lora`, one round): output tok/s with 1, 4 and 16 random rank-16
+    adapters in the batch against the base model, the adapters' products in the Triton kernels (no CUDA graphs with
+    LoRA, so the base model's run with LoRA on is the eager baseline)."""
+    from benchmarks.engine.lora import measure
+
+    directory = str(model_dir(plan, work, plan.serve_shape, torch.bfloat16))
+    counts = [1, 4, 16] if plan.device == "cuda" else [1, 2]
+    return measure(directory, "bfloat16", counts, num_requests=plan.lora_requests, prompt_len=plan.fixed_prompt // 2,
+                   max_tokens=plan.fixed_output // 2, rounds=1, kv_cache_memory=kv_bytes(plan, 4))
+
+
 STEPS = {"environment": environment, "cuda_tests": cuda_tests, "exactness": exactness, "serve": serve,
-         "throughput": throughput, "roofline": roofline, "kernel_bench": kernel_bench, "seeds_claims": seeds_claims}
+         "throughput": throughput, "roofline": roofline, "kernel_bench": kernel_bench, "seeds_claims": seeds_claims,
+         "lora": lora}

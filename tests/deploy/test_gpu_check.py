@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = {"environment", "cuda_tests", "exactness", "serve", "throughput", "roofline", "kernel_bench",
-         "seeds_claims"}
+         "seeds_claims", "lora"}
 
 
 def test_every_step_of_the_gpu_check_runs_at_tiny_shapes_and_reports_in_one_summary(tmp_path) -> None:
@@ -26,6 +26,8 @@ def test_every_step_of_the_gpu_check_runs_at_tiny_shapes_and_reports_in_one_summ
     assert summary["steps"]["serve"]["http_status"] == 200
     claims = summary["steps"]["seeds_claims"]
     assert claims["results"]["static"]["output_tokens"] == claims["results"]["continuous"]["output_tokens"] > 0
+    assert set(summary["steps"]["lora"]["output_tokens_per_s"]) == {"base (LoRA off)", "base (LoRA on)", "1 adapters",
+                                                                    "2 adapters"}
     with tarfile.open(out / "logs.tgz") as logs:
         assert {f"logs/{step}.log" for step in STEPS} <= set(logs.getnames())
 

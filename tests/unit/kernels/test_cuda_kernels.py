@@ -92,3 +92,29 @@ def test_store_kv_on_the_gpu_writes_each_token_to_its_slot_and_skips_padding(tri
     reference.store_kv(key, value, expected_k, expected_v, slots)
     triton_paged.store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# (K, N, stack width R) of a fused linear's LoRA: SmolLM2's q|k|v at rank 16, Llama 3 8B's gate|up at rank 64
+LORA_SHAPES = {"smollm2-qkv": (576, 960, 48), "llama3-8b-gate-up": (4096, 28672, 128)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", LORA_SHAPES)
+@pytest.mark.parametrize("num_rows", [5, 300])
+def test_triton_lora_matches_the_torch_reference_on_the_gpu(shape, dtype, num_rows):
+    from kernels import torch_lora, triton_lora
+    from kernels.torch_lora import LoraRows
+
+    k, n, width = LORA_SHAPES[shape]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(num_rows, k, generator=generator, device="cuda").to(dtype)
+    a_stack = (torch.randn(4, width, k, generator=generator, device="cuda") / k ** 0.5).to(dtype)
+    b_stack = (torch.randn(4, n, width, generator=generator, device="cuda") / width ** 0.5).to(dtype)
+    row_slots = [(-1, 0, 2, 3, 2)[i % 5] for i in range(num_rows)]   # interleaved adapters and base rows
+    rows = LoraRows.of(row_slots, torch.device("cuda"))
+    base = torch.randn(num_rows, n, generator=generator, device="cuda").to(dtype)
+    expected, got = base.clone(), base.clone()
+    torch_lora.add_lora(expected, x, a_stack, b_stack, rows)
+    triton_lora.add_lora(got, x, a_stack, b_stack, rows)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=TOLERANCE[dtype] * 10, atol=TOLERANCE[dtype] * 10)
+    assert torch.equal(got[0::5], base[0::5])   # base-model rows untouched
