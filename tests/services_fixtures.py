@@ -215,9 +215,10 @@ class ConnectStream:
         self.finished: dict[str, set[int]] = defaultdict(set)
         self.errors: dict[str, scheduler_pb2.RequestFailure] = {}
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
+               lora_name: str = "") -> None:
         request = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                                sampling=sampling)
+                                                sampling=sampling, lora_name=lora_name)
         self.outgoing.put(scheduler_pb2.ConnectRequest(submit=scheduler_pb2.SubmitRequest(request=request)))
 
     def abort(self, request_id: str) -> None:

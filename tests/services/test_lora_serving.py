@@ -1,7 +1,8 @@
-"""Multi-LoRA through `ferry up` (two schedulers): the base model and adapters of ranks 8, 16 and 64 served at once,
-each token-exact against PEFT's merged model; /v1/models lists the adapters with their base; adapters load and
-unload at run time under traffic with no request failed; unknown adapters are a 404 naming them, bad ones refused
-with the reason; the admin routes need an API key where keys are configured."""
+"""Multi-LoRA through `ferry up` (two schedulers): the base model and adapters of ranks 8, 16 and 64 served at once
+(through the router, and in one batch on one scheduler), each token-exact against PEFT's merged model; /v1/models
+lists the adapters with their base; adapters load and unload at run time under traffic with no request failed; a
+killed worker loads its adapters again; unknown adapters are a 404 naming them, bad ones refused with the reason;
+the admin routes need an API key where keys are configured."""
 from __future__ import annotations
 
 import os
@@ -17,14 +18,16 @@ import httpx
 import pytest
 
 from ferry.launcher import free_port
-from protos import router_pb2, router_pb2_grpc
+from base.cluster_auth import token_metadata
+from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import transformers_greedy
 from tests.engine_fixtures import random_prompts
 from tests.lora_fixtures import build_peft_adapter, merged_model
-from tests.services_fixtures import child_pids, collect, greedy
+from tests.services_fixtures import ConnectStream, child_pids, collect, greedy
 
 FERRY = str(Path(sys.executable).parent / "ferry")
 API_KEY = "sk-lora-test"
+CLUSTER_TOKEN = "lora-test-cluster-token"
 MAX_TOKENS = 8
 RANKS = {"a8": 8, "a16": 16, "a64": 64, "late": 16}
 
@@ -55,9 +58,9 @@ def stack(tiny_llama_dir, adapters):
     up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", str(http_port), "--heartbeat-ttl", "2",
                            "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
                            "--kv-cache-memory", str(1 << 22), "--num-schedulers", "2", "--api-key",
-                           API_KEY, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "64",
-                           "--lora-modules", *modules], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+                           API_KEY, "--cluster-token", CLUSTER_TOKEN, "--enable-lora", "--max-loras", "3",
+                           "--max-lora-rank", "64", "--lora-modules", *modules], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in up.stdout:
         lines.append(line)
@@ -96,6 +99,42 @@ def test_base_and_three_adapters_served_together_match_peft_merged_models(stack,
         outputs = list(pool.map(lambda job: generate(router, prompts[job[0]], job[1]), jobs))
     for (i, name), tokens in zip(jobs, outputs):
         assert tokens == references[name][i], f"prompt {i} with adapter {name!r}"
+
+
+def scheduler_addresses(up_pid: int) -> list[str]:
+    """The schedulers `ferry up` started, by the --port they were given."""
+    addresses = []
+    for pid in child_pids(up_pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        if "scheduler" in argv and "--port" in argv:
+            addresses.append(f"127.0.0.1:{argv[argv.index('--port') + 1]}")
+    return addresses
+
+
+def test_base_and_three_adapters_run_in_one_batch_on_one_scheduler(stack, tiny_llama_dir, adapters, prompts):
+    """Straight to one scheduler of the stack: four requests (the base model, a8, a16, a64) run in one batch, so
+    every step of theirs computes all four models' rows together, each token-exact."""
+    _, _, up_pid = stack
+    long, names = 48, ["", "a8", "a16", "a64"]
+    expected = {name: transformers_greedy(merged_model(tiny_llama_dir, adapters.get(name)), [prompts[i]], long)[0]
+                for i, name in enumerate(names)}
+    metadata = token_metadata(CLUSTER_TOKEN)
+    with grpc.insecure_channel(scheduler_addresses(up_pid)[0]) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        stream = ConnectStream(stub, metadata=metadata)
+        for i, name in enumerate(names):
+            stream.submit(f"batch-{i}", prompts[i], greedy(long, ignore_eos=True), lora_name=name)
+        reader = threading.Thread(target=stream.read_until, args=(lambda: all(stream.done(f"batch-{i}")
+                                                                                for i in range(4)),))
+        reader.start()
+        batches = set()
+        while reader.is_alive():
+            stats = stub.Stats(scheduler_pb2.StatsRequest(), metadata=metadata)
+            batches.add((stats.num_running, tuple(stats.running_lora_adapters)))
+        reader.join()
+        stream.cancel()
+    assert (4, ("a16", "a64", "a8")) in batches
+    assert {name: stream.tokens(f"batch-{i}") for i, name in enumerate(names)} == expected
 
 
 def test_models_lists_the_adapters_with_their_base(stack, tiny_llama_dir):
