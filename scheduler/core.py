@@ -180,10 +180,13 @@ class Scheduler:
                 preempted |= not self.schedule_running(seq)
             elif admitting and not preempted and seq in queued:   # not one preempted in this step
                 if not self.lora.may_join(seq.lora_name, adapters):
-                    continue   # its adapter waits for a slot; those behind it may still go
+                    # its adapter waits for a slot; those behind it may go, unless it has waited too long
+                    admitting = not self.lora.waited_too_long(seq.seq_id, self.counters.steps)
+                    continue
                 admitting = self.admit(seq)
                 if seq.lora_name and seq.status is SequenceStatus.RUNNING:
                     adapters.add(seq.lora_name)
+                    self.lora.stop_waiting(seq.seq_id)
         return self.build_step()
 
     def schedule_running(self, seq: Sequence) -> bool:
@@ -350,6 +353,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self.lora.stop_waiting(seq.seq_id)
         seq.proposed_token_ids = []
         self.speculation.forget(seq.seq_id)
         if seq.seq_id in self.worker_seqs:

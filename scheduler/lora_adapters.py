@@ -3,7 +3,9 @@
 A request names a loaded adapter (or none: the base model). A step runs at most --max-loras adapters, so a
 sequence joins the running batch only if its adapter is one the batch runs already or a slot is left for it;
 otherwise it waits (others behind it may go), as in vLLM. Slots are given least recently used first; the
-adapter a running sequence uses is never taken out of its slot. An adapter unloaded while requests use it
+adapter a running sequence uses is never taken out of its slot. A sequence that has waited SLOT_WAIT_STEPS steps
+for a slot stops admissions behind it until it has one, so a busy adapter cannot keep another out for ever (the
+batch drains, a slot frees). An adapter unloaded while requests use it
 retires: no new request may name it, and the worker forgets it (StepRequest.unloaded_lora_adapters) once the last
 of those has ended."""
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protos import worker_pb2
+
+
+SLOT_WAIT_STEPS = 256   # steps a sequence may wait for an adapter slot before admissions stop for it
 
 
 class AdapterNotFound(LookupError):
@@ -29,6 +34,7 @@ class LoraAdapters:
         self.slots: list[str | None] = [None] * self.max_loras
         self.last_used: dict[str, int] = {}                   # resident adapter -> the last step that ran it
         self.unloaded: list[str] = []                         # for the worker to forget with the next step
+        self.waiting_since: dict[str, int] = {}               # seq_id -> the step it first found no slot
 
     def check_requested(self, name: str) -> None:
         """AdapterNotFound unless a new request may name this adapter."""
@@ -48,6 +54,14 @@ class LoraAdapters:
     def may_join(self, name: str, batch_adapters: set[str]) -> bool:
         """Whether a sequence of adapter name may join a batch running batch_adapters (the base model always may)."""
         return not name or name in batch_adapters or len(batch_adapters) < self.max_loras
+
+    def waited_too_long(self, seq_id: str, step: int) -> bool:
+        """seq_id found no slot at this step: whether it has been waiting SLOT_WAIT_STEPS steps or more."""
+        return step - self.waiting_since.setdefault(seq_id, step) >= SLOT_WAIT_STEPS
+
+    def stop_waiting(self, seq_id: str) -> None:
+        """seq_id has its slot, or has left."""
+        self.waiting_since.pop(seq_id, None)
 
     def place(self, needed: Iterable[str], step: int) -> list[worker_pb2.AdapterSlot]:
         """Slots for the adapters a step's running batch uses (at most max_loras of them): the loads the worker

@@ -122,3 +122,22 @@ def test_an_adapter_that_does_not_fit_is_refused_at_load_with_the_reason(tiny_ll
     with pytest.raises(AdapterRefused, match="use_dora is not supported"):
         engine.load_lora_adapter("dora", str(tmp_path))
     assert sorted(engine.scheduler.lora.loaded) == []
+
+
+def test_a_busy_adapter_cannot_keep_another_out_of_the_only_slot_for_ever(tiny_llama_dir, adapters, prompts,
+                                                                          references, monkeypatch):
+    """One slot, a8 requests arriving every step: an a16 request waiting for the slot stops admissions once it has
+    waited SLOT_WAIT_STEPS steps, the a8 batch drains, and a16 runs, exactly."""
+    from scheduler import lora_adapters
+    monkeypatch.setattr(lora_adapters, "SLOT_WAIT_STEPS", 8)
+    engine = lora_engine(tiny_llama_dir, adapters, max_loras=1)
+    engine.add_request("busy-0", prompts[0], GREEDY, lora_name="a8")
+    engine.step()
+    engine.add_request("waiting", prompts[1], GREEDY, lora_name="a16")
+    tokens: list[int] = []
+    for step in range(200):
+        engine.add_request(f"busy-{step + 1}", prompts[step % len(prompts)], GREEDY, lora_name="a8")
+        tokens += [t for out in engine.step() if out.request_id == "waiting" for t in out.new_token_ids]
+        if len(tokens) == MAX_TOKENS:
+            break
+    assert tokens == references["a16"][1]
