@@ -120,6 +120,8 @@ class Worker:
         # both backends share the pool layout, so the fused CPU ops may store K and V for either
         model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
         eos = eos_token_ids(model_dir, hf_config)
+        # the adapters' device slots are allocated before the KV pool is sized from what memory is left
+        lora = attach_lora(model, shape, req, dtype, device) if req.enable_lora else (None, None)
 
         def make_runner(pool: KVPool) -> ModelRunner:
             return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos))
@@ -131,8 +133,7 @@ class Worker:
             num_blocks = kv_bytes // (block_bytes(shape, block_size, dtype) + block_bytes(draft[1], block_size, dtype))
             pool = KVPool.of_blocks(shape, block_size, num_blocks, dtype, device)
         self.runner = make_runner(pool)
-        if req.enable_lora:
-            self.runner.lora, self.runner.adapters = attach_lora(model, shape, req, dtype, device)
+        self.runner.lora, self.runner.adapters = lora
         if draft is not None:
             draft_pool = KVPool.of_blocks(draft[1], block_size, pool.num_blocks, dtype, device)
             self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len)
