@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import grpc
 import redis.asyncio as aioredis
@@ -25,6 +26,9 @@ from protos.registration import (KEY_PREFIX, SchedulerInfo, blocks_key, registry
 
 log = logging.getLogger(__name__)
 MAX_PREFIX_LOOKUP_BLOCKS = 512
+# how long this router trusts a LoRA load or unload it made over the registrations it reads: a registration written
+# before the change may still be read for up to a heartbeat after it (router/lora_admin.py)
+ADAPTER_NEWS_S = 10.0
 # KEYS: block sets of schedulers; ARGV: a prompt's block hashes in order. Per set, how many leading hashes it holds:
 # a chain stops at its first miss. (Plain SISMEMBER: SMISMEMBER needs Redis 6.2, and would test every hash.)
 # KEYS[1]: the registry set; ARGV: ids whose registration was gone. Each leaves the set only if its registration is
@@ -63,6 +67,8 @@ class SchedulerDirectory:
     keepalive_s: float = 10.0         # a scheduler silent this long is pinged, and dead if still silent after as long
     lost: dict[str, asyncio.Task] = field(default_factory=dict)   # out of routing until their probe succeeds
     rejected: set[str] = field(default_factory=set)   # ids whose registration failed its check (already logged)
+    adapter_news: dict[str, dict[str, tuple[bool, float]]] = field(default_factory=dict)   # id -> adapter ->
+    #                                                       (loaded, when): this router's own loads and unloads
 
     def __post_init__(self) -> None:
         self.redis = (aioredis.from_url(self.redis_url, password=self.redis_password or None, socket_timeout=1.0,
@@ -79,10 +85,29 @@ class SchedulerDirectory:
 
     def schedulers(self) -> list[SchedulerInfo]:
         if self.redis_ok:
-            return list(self.live.values())
-        merged = {info.address: info for info in self.live.values()}
-        merged.update({info.address: info for info in self.static.values()})
-        return list(merged.values())
+            infos = list(self.live.values())
+        else:
+            merged = {info.address: info for info in self.live.values()}
+            merged.update({info.address: info for info in self.static.values()})
+            infos = list(merged.values())
+        return [self.with_adapter_news(info) for info in infos] if self.adapter_news else infos
+
+    def adapter_changed(self, scheduler_id: str, adapter: str, loaded: bool) -> None:
+        """This router just loaded (or unloaded) adapter there: so it is, whatever older registrations say."""
+        self.adapter_news.setdefault(scheduler_id, {})[adapter] = (loaded, time.monotonic())
+
+    def with_adapter_news(self, info: SchedulerInfo) -> SchedulerInfo:
+        news = self.adapter_news.get(info.scheduler_id)
+        if not news:
+            return info
+        now = time.monotonic()
+        for adapter in [a for a, (_, since) in news.items() if now - since > ADAPTER_NEWS_S]:
+            del news[adapter]
+        loaded = {a for a, (is_loaded, _) in news.items() if is_loaded}
+        gone = set(news) - loaded
+        return replace(info, lora_adapters=[a for a in info.lora_adapters if a not in gone]
+                       + sorted(loaded - set(info.lora_adapters)),
+                       resident_lora_adapters=[a for a in info.resident_lora_adapters if a not in gone])
 
     def forget(self, scheduler_id: str) -> None:
         """A scheduler whose connection broke or was refused leaves routing now, not when its registration

@@ -1,6 +1,7 @@
 """LoRA adapters loaded and unloaded at run time (vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter):
 the router asks every live scheduler to load (or unload) the adapter, and counts it in its own view of those that
-did at once, so that a request sent right after the answer finds it before their next heartbeat says so."""
+did at once (SchedulerDirectory.adapter_changed), so that a request sent right after the answer finds it, however
+old the registrations it reads next."""
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,7 @@ class LoraAdmin:
         keep it: loading it again there says ALREADY_EXISTS)."""
         done, failed = await self.on_every_scheduler("LoadLoraAdapter", name, path)
         for info in done:
-            if name not in info.lora_adapters:
-                info.lora_adapters = [*info.lora_adapters, name]
+            self.directory.adapter_changed(info.scheduler_id, name, loaded=True)
         if failed:
             raise partial_failure("loaded", name, done, failed)
         return len(done)
@@ -36,8 +36,7 @@ class LoraAdmin:
         """How many schedulers unloaded it; NOT_FOUND where none had it."""
         done, failed = await self.on_every_scheduler("UnloadLoraAdapter", name, "")
         for info in done:
-            info.lora_adapters = [a for a in info.lora_adapters if a != name]
-            info.resident_lora_adapters = [a for a in info.resident_lora_adapters if a != name]
+            self.directory.adapter_changed(info.scheduler_id, name, loaded=False)
         failed = {i: e for i, e in failed.items() if e.code() != grpc.StatusCode.NOT_FOUND}
         if not done and not failed:
             raise StatusError(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {name!r} is not loaded")

@@ -3,6 +3,7 @@ history, Redis down, random; LoRA adapters: where loaded, where resident, and th
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -233,3 +234,20 @@ def test_the_router_serves_an_adapter_from_the_schedulers_that_loaded_it_and_an_
         router.candidates("sql-lora")
     assert error.value.code == grpc.StatusCode.NOT_FOUND and error.value.param == "model"
     assert error.value.message == "model 'sql-lora' does not exist (serving: a, b, m)"
+
+
+def test_an_adapter_this_router_loaded_or_unloaded_outlives_older_registrations(monkeypatch):
+    """A registration written before a load is still read for up to a heartbeat: the router's own news wins."""
+    from router import discovery
+
+    directory = discovery.SchedulerDirectory()
+    stale = SchedulerInfo("s0", "a:1", "m", "/m", 16, 64, 100, lora_adapters=["a", "b"],
+                          resident_lora_adapters=["b"])
+    directory.live = {"s0": stale}
+    directory.adapter_changed("s0", "late", loaded=True)
+    directory.adapter_changed("s0", "b", loaded=False)
+    directory.live = {"s0": replace(stale)}   # a refresh that read the same old registration
+    [info] = directory.schedulers()
+    assert info.lora_adapters == ["a", "late"] and info.resident_lora_adapters == []
+    monkeypatch.setattr(discovery, "ADAPTER_NEWS_S", -1.0)   # the news expired: registrations speak again
+    assert directory.schedulers()[0].lora_adapters == ["a", "b"]
