@@ -94,6 +94,9 @@ class EngineConfig:
     max_lora_rank: int = option(16, "with --enable-lora, the largest rank an adapter may have")
     max_cpu_loras: int = option(0, "with --enable-lora, adapters kept in host memory (the rest are read from disk "
                                    "when they come back); 0: --max-loras")
+    tensor_parallel_size: int = option(1, "ranks the model is sharded across, one device each (GPUs of one host; "
+                                          "processes sharing the cores on a CPU): a scheduler drives the group as "
+                                          "one worker", short="-tp")
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -119,8 +122,22 @@ class EngineConfig:
         if self.priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {self.priority_aging_steps}")
         check_lora_options(self)
+        check_tensor_parallel_options(self)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+
+def check_tensor_parallel_options(config: EngineConfig) -> None:
+    """What tensor parallelism does not combine with yet: each would need its own sharding."""
+    if config.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {config.tensor_parallel_size}")
+    if config.tensor_parallel_size == 1:
+        return
+    if config.enable_lora:
+        raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+    speculative = parse_speculative_config(config.speculative_config)
+    if speculative is not None and speculative.method == "draft_model":
+        raise ValueError("a draft model (speculative_config) with --tensor-parallel-size > 1 is not supported yet")
 
 
 def check_lora_options(config: EngineConfig) -> None:

@@ -125,7 +125,8 @@ def add_argument(parser: argparse.ArgumentParser, option_field: Field) -> None:
                             choices=meta.get("choices"), metavar=meta.get("metavar"),
                             help=f"{text} (default: ${meta['env']}, else {shown(default)})")
     else:
-        parser.add_argument(flag_name(option_field), dest=dest(option_field), type=type(default), default=default,
+        names = [flag_name(option_field)] + ([meta["short"]] if "short" in meta else [])
+        parser.add_argument(*names, dest=dest(option_field), type=type(default), default=default,
                             choices=meta.get("choices"), metavar=meta.get("metavar"), help=text)
 
 
