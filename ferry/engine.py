@@ -61,7 +61,8 @@ class Engine:
             from gpu_worker.worker import Worker
             worker = Worker()
         self.worker = worker
-        self.info = worker.init(init_request(self.config)).model
+        self.started = worker.init(init_request(self.config))   # device_info, rank_weight_bytes
+        self.info = self.started.model
         self.scheduler = scheduler_for(self.config, self.info)
         self._tokenizer = None
         self.ids = itertools.count()

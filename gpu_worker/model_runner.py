@@ -19,6 +19,7 @@ from gpu_worker.kv_pool import KVPool
 from gpu_worker.lora.adapter_store import AdapterStore
 from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.model import AttentionBatch
+from gpu_worker.parallel.group import TensorParallel
 from gpu_worker.sampling.sampler import SampleRow, prompt_token_logprobs, sample
 from kernels import torch_paged
 from protos import common_pb2, worker_pb2
@@ -73,6 +74,8 @@ class ModelRunner:
     draft: DraftModel | None = None         # speculative decoding's draft model (it follows every step)
     lora: LoraSlots | None = None           # with --enable-lora: the adapters' device slots
     adapters: AdapterStore | None = None    # and the adapters loaded
+    tp: TensorParallel | None = None        # this rank's group, under tensor parallelism
+    vocab_size: int = 0                     # the whole vocabulary's (a rank's head holds a slice of it)
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -97,8 +100,12 @@ class ModelRunner:
         bitmasks: dict[str, list[bytes]] = {}
         for mask in req.token_bitmasks:   # one per position it samples at
             bitmasks.setdefault(mask.seq_id, []).append(mask.bits)
+        collectives_before = self.tp.collective_seconds if self.tp else 0.0
         tokens, logprobs = self.run(chunks, bitmasks)
         result.forward_seconds = self.forward_seconds
+        if self.tp is not None:
+            tokens = self.tp.same_tokens(tokens)
+            result.collective_seconds = self.tp.collective_seconds - collectives_before
         row, sampled = 0, []
         for chunk in chunks:
             num_rows = chunk.num_sampled_rows
@@ -216,7 +223,7 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.follow(input_ids, positions, batch)
             self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
-            return self.model.compute_logits(hidden[logit_rows]) if logit_rows.numel() else None
+            return self.compute_logits(hidden[logit_rows]) if logit_rows.numel() else None
         return forward
 
     def gather_prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, first_rows: list[int]
@@ -231,9 +238,13 @@ class ModelRunner:
             for start in range(chunk.start, stop, PROMPT_LOGITS_ROWS):
                 end = min(start + PROMPT_LOGITS_ROWS, stop)
                 rows = hidden[first_row + start - chunk.start:first_row + end - chunk.start]
-                logits = self.model.compute_logits(rows)
+                logits = self.compute_logits(rows)
                 seq.prompt_logprobs.extend(prompt_token_logprobs(logits, seq.token_ids[start + 1:end + 1],
                                                                  seq.params.prompt_logprobs))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(hidden)
+        return self.tp.gather_vocab(logits, self.vocab_size) if self.tp is not None else logits
 
     def slot_of(self, seq: SequenceState, position: int) -> int:
         """Where the position's K and V go in the pool; -1 where a shared block already holds them."""

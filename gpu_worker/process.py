@@ -24,7 +24,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, health_servicer: health.HealthServicer, tracing: Tracing = TRACING_OFF):
         from gpu_worker.worker import Worker
 
-        self.worker = Worker()
+        self.worker = Worker(exit_with_group=True)
         self.health = health_servicer
         self.tracing = tracing
         # All model work on one thread, one call at a time: torch's OpenMP team belongs to the thread that starts

@@ -16,11 +16,13 @@ from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
-from gpu_worker.loading.weights import load_weights
+from gpu_worker.loading.weights import Checkpoint, load_weights
 from gpu_worker.lora.attach import attach_lora
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
+from gpu_worker.parallel.group import INIT, STEP, Followers, TensorParallel
+from gpu_worker.parallel.sharding import ShardedCheckpoint, check_shardable, shard_model, shard_shape
 from kernels import cpu_decode, cpu_layers, select_backend
 from protos import worker_pb2
 
@@ -97,9 +99,15 @@ def capturable(model: torch.nn.Module, backend) -> bool:
 
 
 class Worker:
-    def __init__(self) -> None:
+    """One worker, or one rank of a tensor-parallel group (gpu_worker/parallel/): rank 0 is given no group and
+    forms one when its Init asks for several ranks; the others are given theirs by their follower process."""
+
+    def __init__(self, tp: TensorParallel | None = None, exit_with_group: bool = False) -> None:
         self.runner: ModelRunner | None = None
         self.last_step_ended = 0.0
+        self.tp = tp
+        self.followers: Followers | None = None   # rank 0's ranks 1..N-1
+        self.exit_with_group = exit_with_group    # a worker process: a rank's death ends it (group.py)
 
     def init(self, req: worker_pb2.InitRequest) -> worker_pb2.InitResponse:
         device = resolve_device(req.device)
@@ -109,10 +117,15 @@ class Worker:
         model_dir = resolve_model_dir(req.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         family = model_class(hf_config.model_type)
-        shape = family.shape_from_config(hf_config)
+        whole_shape = family.shape_from_config(hf_config)
+        self.start_group(req, whole_shape, device)
+        if self.tp is not None:
+            device = self.tp.device
+        shape = shard_shape(whole_shape, self.tp.size) if self.tp else whole_shape
         max_model_len = req.max_model_len or min(shape.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,
-                                gguf_source(req.model))
+                                gguf_source(req.model), self.tp, whole_shape)
+        weight_bytes = model.weight_bytes
         block_size = req.block_size or 16
         backend = select_backend(req.attention_backend or "auto", device.type)
         if device.type == "cpu":
@@ -124,10 +137,14 @@ class Worker:
         lora = attach_lora(model, shape, req, dtype, device) if req.enable_lora else (None, None)
 
         def make_runner(pool: KVPool) -> ModelRunner:
-            return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos))
+            return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos), tp=self.tp,
+                               vocab_size=whole_shape.vocab_size)
         draft = self.load_draft(req, shape, max_model_len, dtype, device, model.layer_ops)
         kv_bytes = kv_cache_bytes(req, make_runner, shape, dtype, device, block_size, max_model_len)
-        if draft is None:
+        if self.tp is not None:   # one block table for the group: every rank's pool has as many blocks
+            num_blocks = self.tp.minimum(kv_bytes // block_bytes(shape, block_size, dtype))
+            pool = KVPool.of_blocks(shape, block_size, num_blocks, dtype, device)
+        elif draft is None:
             pool = KVPool(shape, block_size, kv_bytes, dtype, device)
         else:   # both pools hold the same blocks: the bytes are shared in that proportion
             num_blocks = kv_bytes // (block_bytes(shape, block_size, dtype) + block_bytes(draft[1], block_size, dtype))
@@ -140,7 +157,7 @@ class Worker:
         if device.type == "cuda":
             warm_up.compile_kernels(self.runner, req.max_num_batched_tokens or 2048, max_model_len)
         if (device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None
-                and not req.enable_lora):
+                and not req.enable_lora and self.tp is None):
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
                                               max_model_len, device)
             self.runner.graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()))
@@ -148,10 +165,26 @@ class Worker:
         log.info("worker ready: %s on %s, %d KV blocks of %d tokens", model_dir.name,
                  " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)
         model_info = worker_pb2.ModelInfo(num_blocks=pool.num_blocks, block_size=block_size,
-                                          max_model_len=max_model_len, vocab_size=shape.vocab_size,
+                                          max_model_len=max_model_len, vocab_size=whole_shape.vocab_size,
                                           eos_token_ids=eos, model_name=model_dir.name,
                                           model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape))
-        return worker_pb2.InitResponse(model=model_info, device_info=info)
+        rank_weight_bytes = self.tp.gather_ints(weight_bytes) if self.tp else [weight_bytes]
+        if self.tp is not None:
+            info["tensor_parallel_size"] = str(self.tp.size)
+        return worker_pb2.InitResponse(model=model_info, device_info=info, rank_weight_bytes=rank_weight_bytes)
+
+    def start_group(self, req: worker_pb2.InitRequest, shape, device: torch.device) -> None:
+        """Rank 0 asked for several ranks: check the model splits evenly, start the others and hand them the
+        Init (each loads its own shard)."""
+        size = req.tensor_parallel_size or 1
+        if size == 1 or self.tp is not None:
+            return
+        check_shardable(shape, size)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
+        self.followers = Followers.start(size, device.type, self.exit_with_group)
+        self.tp = self.followers.group
+        self.followers.send(INIT, req)
 
     def load_draft(self, req: worker_pb2.InitRequest, target, max_model_len: int, dtype: torch.dtype,
                    device: torch.device, layer_ops) -> tuple[torch.nn.Module, object] | None:
@@ -166,7 +199,7 @@ class Worker:
         if shape.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has {shape.vocab_size} tokens, the "
                              f"target's {target.vocab_size}: they must share one tokenizer")
-        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, None)
+        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, None, None, shape)
         if model.attention_windows or model.attention_softcap:
             raise ValueError("speculative_config.model: a draft model must attend to its whole context (no sliding "
                              "window, no softcapped scores)")
@@ -174,15 +207,21 @@ class Worker:
         return model, shape
 
     @staticmethod
-    def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device,
-                   gguf_file: Path | None) -> torch.nn.Module:
+    def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, gguf_file: Path | None,
+                   tp: TensorParallel | None, whole_shape) -> torch.nn.Module:
+        """The model of `shape` (a rank's shard of whole_shape under tensor parallelism) with its weights.
+        model.weight_bytes: its parameters' bytes as loaded, before any packing for the CPU."""
         with torch.device("meta"):
             model = family(shape)
+            if tp is not None:
+                shard_model(model, tp)
         model = model.to(dtype).to_empty(device=device)   # allocated once, in the dtype it computes in
-        load_weights(model, model_dir)
+        checkpoint = Checkpoint(model_dir)
+        load_weights(model, ShardedCheckpoint(checkpoint, whole_shape, tp) if tp else checkpoint)
         model.eval()
+        model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if cpu_linear.available(dtype, device):
-            if gguf_file is not None and dtype == torch.float32:
+            if gguf_file is not None and dtype == torch.float32 and tp is None:
                 quantized_linears.use_gguf_blocks(model, gguf_file)   # before packing: it reads the fp32 weights
             cpu_linear.pack_linear_layers(model)
         model.load_rope(hf_config, max_model_len, device)
@@ -198,6 +237,8 @@ class Worker:
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         if self.runner is None:
             raise RuntimeError("Worker.step called before Worker.init")
+        if self.followers is not None:
+            self.followers.send(STEP, req)
         started = time.perf_counter()
         result = self.runner.step(req)
         result.idle_seconds = started - self.last_step_ended if self.last_step_ended else 0.0

@@ -77,7 +77,8 @@ class EngineLoop:
         self.triage = CrashTriage()
         self.restarting = False
         self.arrived: list[Rejoining] = []   # requests taken while the worker restarts
-        metrics = SchedulerMetrics(self.load, info.model.model_name, dict(info.device_info))
+        metrics = SchedulerMetrics(self.load, info.model.model_name, dict(info.device_info),
+                                   list(info.rank_weight_bytes))
         self.telemetry = SchedulerTelemetry(metrics, tracing)
 
     def new_scheduler(self) -> Scheduler:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
-from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -98,7 +98,8 @@ class StatsCollector:
 class SchedulerMetrics:
     """This scheduler's Prometheus registry: the stats collector plus latency histograms and finish reasons."""
 
-    def __init__(self, stats: StatsFn, model_name: str, device_info: dict[str, str] | None = None):
+    def __init__(self, stats: StatsFn, model_name: str, device_info: dict[str, str] | None = None,
+                 rank_weight_bytes: list[int] = ()):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(stats, model_name))
@@ -124,6 +125,14 @@ class SchedulerMetrics:
                                            registry=self.registry)
         self.worker_busy = Counter("ferry:worker_step_seconds", "Time the worker spent in its forward passes and "
                                    "sampling.", ["model_name"], registry=self.registry).labels(model_name)
+        self.worker_collectives = Counter("ferry:worker_collective_seconds", "Of the worker's step time, the time "
+                                          "rank 0 spent in the tensor-parallel ranks' collectives (all-reduces, "
+                                          "logits gathered).", ["model_name"],
+                                          registry=self.registry).labels(model_name)
+        weights = Gauge("ferry:worker_weight_bytes", "Each worker rank's model parameter bytes (one rank per device "
+                        "under tensor parallelism).", ["model_name", "rank"], registry=self.registry)
+        for rank, size in enumerate(rank_weight_bytes):
+            weights.labels(model_name, str(rank)).set(size)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -226,6 +235,7 @@ class SchedulerTelemetry:
     def on_result(self, result: worker_pb2.StepResult) -> None:
         self.metrics.worker_idle.inc(result.idle_seconds)
         self.metrics.worker_busy.inc(result.forward_seconds)
+        self.metrics.worker_collectives.inc(result.collective_seconds)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         now, records, inter_token = self.clock(), self.records, self.metrics.inter_token

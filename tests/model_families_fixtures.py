@@ -39,10 +39,13 @@ FAMILIES = {
 }
 
 
-def build_tiny_model(path, model_type: str):
+def build_tiny_model(path, model_type: str, **overrides):
+    """overrides: config fields set after the family's (vocab_size included)."""
     tokenizer = build_tiny_tokenizer(path)
     config = FAMILIES[model_type]()
     config.vocab_size = len(tokenizer)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)

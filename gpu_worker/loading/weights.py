@@ -41,6 +41,16 @@ class Checkpoint(Mapping):
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(stored_name)
 
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor, read without the rest of it."""
+        path, stored_name = self.files[name]
+        with safe_open(str(path), framework="pt") as f:
+            part = f.get_slice(stored_name)
+            return part[start:stop] if dim == 0 else part[:, start:stop]
+
+    def __contains__(self, name: object) -> bool:   # Mapping's would read the tensor to find out
+        return name in self.files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
 
@@ -48,9 +58,9 @@ class Checkpoint(Mapping):
         return len(self.files)
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy each parameter from the checkpoint, converted to the parameter's dtype and device on the way."""
-    checkpoint = Checkpoint(model_dir)
+def load_weights(model: nn.Module, checkpoint: Mapping[str, torch.Tensor]) -> None:
+    """Copy each parameter from the checkpoint (a Checkpoint, or a rank's view of one), converted to the
+    parameter's dtype and device on the way."""
     for name, param in model.named_parameters():
         source = model.checkpoint_tensor(checkpoint, name)
         if source.shape != param.shape:

@@ -43,6 +43,8 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
+    all_reduce = None   # set on a tensor-parallel rank (gpu_worker/parallel/sharding.py)
+
     def __init__(self, shape: GemmaShape, window: int):
         super().__init__()
         size, eps = shape.hidden_size, shape.rms_norm_eps
@@ -66,9 +68,13 @@ class GemmaDecoderLayer(nn.Module):
         q = ops.rotary_store_kv(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, attn.num_heads,
                                 attn.num_kv_heads)
         out = batch.attend(q, k_cache, v_cache, attn.scale, self.window, self.attn_softcap)
-        residual = residual + norm(self.post_attention_layernorm, attn.o_proj(out.reshape(-1, attn.q_size)))
-        mlp = self.mlp(norm(self.pre_feedforward_layernorm, residual))
+        attended = self.reduced(attn.o_proj(out.reshape(-1, attn.q_size)))
+        residual = residual + norm(self.post_attention_layernorm, attended)
+        mlp = self.reduced(self.mlp(norm(self.pre_feedforward_layernorm, residual)))
         return residual + norm(self.post_feedforward_layernorm, mlp)
+
+    def reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(partial) if self.all_reduce is not None else partial
 
 
 def norm(layer_norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -79,15 +79,16 @@ class LayerPlan:
     q_size: int
     scale: float
     window: int             # sliding window, 0: global
+    all_reduce: object | None = None   # under tensor parallelism: the sum of the ranks' partial o and down outputs
 
     @classmethod
-    def of(cls, layer: DecoderLayer, next_norm: RMSNorm, window: int) -> LayerPlan:
+    def of(cls, layer: DecoderLayer, next_norm: RMSNorm, window: int, all_reduce=None) -> LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
         dense = isinstance(mlp, MLP)
         qk_norm = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
         return cls(attn.qkv_proj.forward, attn.o_proj.forward, mlp.gate_up_proj.forward if dense else None,
                    mlp.down_proj.forward if dense else None, mlp, qk_norm, layer.post_attention_layernorm,
-                   next_norm, attn.num_heads, attn.num_kv_heads, attn.q_size, attn.scale, window)
+                   next_norm, attn.num_heads, attn.num_kv_heads, attn.q_size, attn.scale, window, all_reduce)
 
     def forward(self, hidden, residual, cos, sin, kv, batch, ops) -> torch.Tensor:
         """hidden: this layer's normalised input; residual: the residual stream, updated in place. Returns the
@@ -99,18 +100,23 @@ class LayerPlan:
         q = ops.rotary_store_kv(qkv, cos, sin, k_cache, v_cache, batch.slot_mapping, self.num_heads,
                                 self.num_kv_heads)
         attn = self.o_proj(batch.attend(q, k_cache, v_cache, self.scale, self.window).reshape(-1, self.q_size))
+        if self.all_reduce is not None:
+            attn = self.all_reduce(attn)
         norm = self.post_attention_norm
         hidden = ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
         if self.gate_up_proj is not None:
             mlp = self.down_proj(ops.silu_mul(self.gate_up_proj(hidden)))
         else:
             mlp = self.mlp(hidden, ops)
+        if self.all_reduce is not None:
+            mlp = self.all_reduce(mlp)
         return ops.add_rms_norm(mlp, residual, self.next_norm.weight, self.next_norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """The model interface every family keeps (gpu_worker/models/__init__.py)."""
     fused_weights = LLAMA_FUSED
+    all_reduce = None   # set on a tensor-parallel rank (gpu_worker/parallel/sharding.py)
 
     def __init__(self, shape: ModelShape):
         super().__init__()
@@ -159,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
 
     def plan_layers(self) -> list[LayerPlan]:
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        return [LayerPlan.of(layer, next_norm, window)
+        return [LayerPlan.of(layer, next_norm, window, self.all_reduce)
                 for layer, next_norm, window in zip(self.layers, next_norms, self.windows)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Tensor parallelism: a model sharded across ranks, one device each, driven by rank 0 as one worker."""

@@ -1,0 +1,169 @@
+"""A tensor-parallel group: its ranks' collectives (gloo on CPUs, NCCL on GPUs), and rank 0's followers.
+
+Rank 0 is the worker its scheduler talks to. It starts ranks 1..N-1 as processes of their own (follower.py) and
+forwards them every Init and Step it is given, in order, down each follower's standard input: every rank then runs
+the same step on its shard, meeting the others at the collectives. Only rank 0 answers the scheduler.
+
+A follower that dies takes rank 0 down with it (the watch thread) where rank 0 is a worker process, and rank 0's
+scheduler then restarts the whole group as it restarts any worker (in an in-process Engine the next step raises
+instead); a follower whose rank 0 died reads the end of its input and exits."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+INIT, STEP = b"I", b"S"
+HEADER = struct.Struct("<cI")   # message kind, payload length
+
+
+@dataclass
+class TensorParallel:
+    """This rank's place in the group and the group's collectives. collective_seconds: time spent in them so
+    far (on a GPU, the time to enqueue them)."""
+    rank: int
+    size: int
+    device: torch.device
+    collective_seconds: float = 0.0
+
+    @classmethod
+    def join(cls, rank: int, size: int, init_method: str, device_type: str) -> TensorParallel:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                                world_size=size)
+        return cls(rank, size, device)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of their partial x (a row-parallel linear's output), in place."""
+        started = time.perf_counter()
+        dist.all_reduce(x)
+        self.collective_seconds += time.perf_counter() - started
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's slice of the vocabulary [T, V / N] -> the whole logits [T, V] on every rank."""
+        started = time.perf_counter()
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        dist.all_gather(parts, logits.contiguous())
+        self.collective_seconds += time.perf_counter() - started
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    def same_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's sampled tokens on every rank: each rank samples the same logits with the same generators, but
+        a rank that drew differently would corrupt its sequences silently; this way they cannot diverge."""
+        if not tokens:
+            return tokens
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        dist.broadcast(ids, src=0)
+        return ids.tolist()
+
+    def minimum(self, value: int) -> int:
+        x = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
+
+    def gather_ints(self, value: int) -> list[int]:
+        x = torch.tensor([value], dtype=torch.long, device=self.device)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        return [int(p.item()) for p in parts]
+
+    def shard(self, total: int) -> tuple[int, int]:
+        """This rank's [start, stop) of `total` rows split evenly (the last rank's may be short: vocabularies)."""
+        per_rank = -(-total // self.size)
+        return min(total, self.rank * per_rank), min(total, (self.rank + 1) * per_rank)
+
+
+@dataclass
+class Followers:
+    """Rank 0's ranks 1..N-1: their processes and the pipes rank 0 forwards its requests down."""
+    group: TensorParallel
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    exit_with_group: bool = False   # a follower's death ends this process
+
+    @classmethod
+    def start(cls, size: int, device_type: str, exit_with_group: bool) -> Followers:
+        """Start ranks 1..size-1 and form the group with them (rank 0 is this process). On a CPU the ranks share
+        this worker's threads. A process has one group at a time: an earlier one (an in-process Engine's) ends."""
+        global current
+        if current is not None:
+            current.stop()
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        if device_type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads() // size))
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        processes = [subprocess.Popen([sys.executable, "-m", "gpu_worker.parallel.follower", "--rank", str(rank),
+                                       "--size", str(size), "--init-method", init_method, "--device", device_type,
+                                       "--parent-pid", str(os.getpid())], stdin=subprocess.PIPE, env=env)
+                     for rank in range(1, size)]
+        followers = cls(TensorParallel.join(0, size, init_method, device_type), processes,
+                        exit_with_group=exit_with_group)
+        threading.Thread(target=followers.watch, daemon=True, name="tp-followers").start()
+        log.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
+        current = followers
+        return followers
+
+    def stop(self) -> None:
+        """End the followers (the end of their input) and this process's part in the group."""
+        self.stopped.set()
+        for process in self.processes:
+            process.stdin.close()
+        for process in self.processes:
+            process.wait()
+        dist.destroy_process_group()
+
+    def send(self, kind: bytes, message) -> None:
+        payload = message.SerializeToString()
+        frame = HEADER.pack(kind, len(payload)) + payload
+        try:
+            for process in self.processes:
+                process.stdin.write(frame)
+                process.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError("a tensor-parallel rank has exited: the group cannot step") from None
+
+    def watch(self) -> None:
+        """A follower that exits leaves the group unable to step: end rank 0 too, so that the scheduler
+        restarts the whole group."""
+        while not self.stopped.wait(0.2):
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None and not self.stopped.is_set():
+                    log.error("tensor parallel rank %d exited (code %s): the group is broken", rank,
+                              process.returncode)
+                    if self.exit_with_group:
+                        os._exit(1)
+                    return
+
+
+current: Followers | None = None   # this process's group, where it is rank 0
+
+
+def read_message(stream) -> tuple[bytes, bytes] | None:
+    """The next (kind, payload) rank 0 sent; None at the end of the stream (rank 0 is gone)."""
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    kind, length = HEADER.unpack(header)
+    payload = stream.read(length)
+    return (kind, payload) if len(payload) == length else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

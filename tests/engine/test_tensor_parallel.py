@@ -1,0 +1,85 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks): every family's output token-identical to transformers (and so
+to one rank) in float32, with prefix-cache hits, preemption and seeded sampling; each rank holding about half the
+weights; models that do not split refused before any rank starts."""
+from __future__ import annotations
+
+import pytest
+
+from ferry import EngineConfig, SamplingParams
+from tests.conftest import transformers_greedy
+from tests.model_families_fixtures import FAMILIES, GREEDY, MAX_TOKENS, build_tiny_model, prompts, tiny_engine
+
+__all__ = ["prompts"]   # the shared fixture
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=MAX_TOKENS, n=2, seed=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path, model = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, path, model
+
+
+def block_bytes(engine) -> int:
+    """A KV block's bytes in rank 0's pool (each rank's pool holds its own heads)."""
+    return engine.worker.runner.pool.tensor[:, :, :1].numel() * 4
+
+
+def samples(engine, prompts, params) -> list[list[int]]:
+    return [sample.token_ids for result in engine.generate(prompts, params) for sample in result.samples]
+
+
+def test_two_ranks_decode_every_family_as_transformers_with_cache_hits_and_preemption(family, prompts):
+    _, model_dir, model = family
+    expected = transformers_greedy(model, prompts, MAX_TOKENS)
+    engine = tiny_engine(model_dir, tensor_parallel_size=2)
+    assert engine.started.device_info["tensor_parallel_size"] == "2"
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+    hits = engine.stats().prefix_cache_hits
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+    assert engine.stats().prefix_cache_hits > hits
+    num_blocks = 12 if engine.info.sliding_window else 14   # a pool that runs dry: preemptions
+    small = tiny_engine(model_dir, tensor_parallel_size=2, kv_cache_memory=num_blocks * block_bytes(engine))
+    assert small.info.num_blocks == num_blocks
+    assert [r.token_ids for r in small.generate(prompts, GREEDY)] == expected
+    assert small.stats().num_preemptions > 0
+
+
+def test_seeded_sampling_with_two_samples_each_matches_one_rank(tmp_path, prompts):
+    model_dir, _ = build_tiny_model(tmp_path, "qwen3")
+    expected = samples(tiny_engine(model_dir), prompts, SEEDED)
+    assert samples(tiny_engine(model_dir, tensor_parallel_size=2), prompts, SEEDED) == expected
+
+
+def test_one_kv_head_is_replicated_and_an_odd_vocabulary_padded(tmp_path, prompts):
+    """Multi-query attention: both ranks keep the one KV head; a vocabulary of odd size: rank 1's slice is one row
+    short (padded, its logit dropped)."""
+    model_dir, model = build_tiny_model(tmp_path, "mistral_windowed", num_key_value_heads=1, vocab_size=457)
+    expected = transformers_greedy(model, prompts, MAX_TOKENS)
+    engine = tiny_engine(model_dir, tensor_parallel_size=2)
+    assert engine.info.vocab_size == 457
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+
+
+def test_each_rank_holds_about_half_of_the_weights(tmp_path):
+    model_dir, model = build_tiny_model(tmp_path, "qwen3")
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert list(tiny_engine(model_dir).started.rank_weight_bytes) == [whole]
+    ranks = tiny_engine(model_dir, tensor_parallel_size=2).started.rank_weight_bytes
+    assert len(ranks) == 2
+    assert all(0.5 * whole < size < 0.52 * whole for size in ranks)   # the norms are whole on every rank
+
+
+def test_a_model_that_does_not_split_evenly_is_refused_before_any_rank_starts(tmp_path):
+    model_dir, _ = build_tiny_model(tmp_path, "qwen3")   # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's 4 attention heads"):
+        tiny_engine(model_dir, tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("options, refused", [
+    (dict(enable_lora=True), "--enable-lora"),
+    (dict(speculative_config='{"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}'), "draft"),
+    (dict(tensor_parallel_size=0), "at least 1"),
+])
+def test_options_tensor_parallelism_does_not_combine_with_are_refused(options, refused):
+    with pytest.raises(ValueError, match=refused):
+        EngineConfig(**{"tensor_parallel_size": 2} | options).validate()
