@@ -34,8 +34,9 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
                             description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_arguments(parser, EngineConfig)
     parser.add_argument("--num-schedulers", type=int, default=None,
-                        help="schedulers to start; default: one per visible GPU (each pinned to its GPU), or 2 on "
-                             "the CPU")
+                        help="schedulers to start; default: one per group of --tensor-parallel-size visible GPUs "
+                             "(its worker's ranks pinned to the group's GPUs), or 2 on the CPU (a scheduler's ranks "
+                             "share its cores)")
     parser.add_argument("--num-routers", type=int, default=1,
                         help="router processes sharing its ports (python -m router --workers N)")
     add_arguments(parser, RouterOptions, skip=ROUTER_SET_HERE)
@@ -95,8 +96,8 @@ def worker_threads_env(num_schedulers: int) -> dict[str, str]:
 
 
 def visible_gpus(device: str) -> list[str]:
-    """The GPUs the schedulers may have, one each: CUDA_VISIBLE_DEVICES's entries where it is set, else every
-    GPU torch sees; none where the engine runs on the CPU."""
+    """The GPUs the schedulers may have: CUDA_VISIBLE_DEVICES's entries where it is set, else every GPU torch sees;
+    none where the engine runs on the CPU."""
     if device == "cpu":
         return []
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -106,17 +107,39 @@ def visible_gpus(device: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def scheduler_envs(requested: int | None, gpus: list[str]) -> list[dict[str, str]]:
-    """Each scheduler's own environment: on GPUs one scheduler per GPU, its worker pinned to it with
-    CUDA_VISIBLE_DEVICES (requested: fewer, never more); on the CPU `requested` (2 by default) sharing the cores."""
+def tensor_parallel_groups(gpus: list[str], size: int) -> list[list[str]]:
+    """The GPUs in consecutive groups of `size` (in CUDA_VISIBLE_DEVICES's order), one per scheduler; the GPUs too
+    few for one more group are left unused, and said so."""
+    if size > len(gpus):
+        raise ValueError(f"--tensor-parallel-size {size} with {len(gpus)} GPU(s): each rank needs a GPU of its own")
+    groups = [gpus[start:start + size] for start in range(0, len(gpus) - size + 1, size)]
+    left_over = gpus[len(groups) * size:]
+    if left_over:
+        print(f"[ferry] GPU(s) {','.join(left_over)} left unused: {len(gpus)} GPUs make {len(groups)} group(s) of "
+              f"--tensor-parallel-size {size}", file=sys.stderr, flush=True)
+    return groups
+
+
+def scheduler_envs(requested: int | None, gpus: list[str], tensor_parallel_size: int = 1) -> list[dict[str, str]]:
+    """Each scheduler's own environment: on GPUs one scheduler per group of tensor_parallel_size GPUs, its worker's
+    ranks pinned to them with CUDA_VISIBLE_DEVICES (requested: fewer, never more); on the CPU `requested`
+    (2 by default) sharing the cores, each scheduler's ranks sharing its share."""
     if not gpus:
         count = requested or 2
         return [{}] * count
-    count = requested or len(gpus)
-    if count > len(gpus):
-        raise RuntimeError(f"--num-schedulers {count} with {len(gpus)} GPU(s): each scheduler needs a GPU of its own "
-                           f"(two on one GPU would split its memory and its steps)")
-    return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus[:count]]
+    groups = tensor_parallel_groups(gpus, tensor_parallel_size)
+    count = requested or len(groups)
+    if count > len(groups):
+        raise ValueError(f"--num-schedulers {count} with {len(gpus)} GPU(s) in groups of --tensor-parallel-size "
+                         f"{tensor_parallel_size}: each scheduler needs a group of its own (two on one GPU would "
+                         f"split its memory and its steps)")
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(group)} for group in groups[:count]]
+
+
+def on_gpus(own_env: dict[str, str]) -> str:
+    """The scheduler's GPUs for its start line (" on GPUs 0,1"); nothing on the CPU."""
+    gpus = own_env.get("CUDA_VISIBLE_DEVICES", "")
+    return f" on GPU{'s' if ',' in gpus else ''} {gpus}" if gpus else ""
 
 
 def start_redis(supervisor: Supervisor, password: str) -> str:
@@ -151,7 +174,8 @@ def tls_flags(tls: TlsConfig) -> list[str]:
     return ["--tls-cert", tls.cert, "--tls-key", tls.key, "--tls-ca", tls.ca] if tls.serving else []
 
 
-def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
+def start_stack(args: argparse.Namespace, supervisor: Supervisor, envs: list[dict[str, str]]) -> str:
+    """envs: scheduler_envs's, one per scheduler."""
     from gpu_worker.loading.model_files import resolve_model_dir
 
     tls = stack_tls(args)
@@ -161,14 +185,12 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor) -> str:
     stack = supervisor.stack
     redis_url = args.redis_url or start_redis(supervisor, secret_env["FERRY_REDIS_PASSWORD"])
     py = sys.executable
-    envs = scheduler_envs(args.num_schedulers, visible_gpus(args.device))
     scheduler_ports = [free_port() for _ in envs]
     config_flags = to_argv(replace(from_args(EngineConfig, args), model=model_dir))
     for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
-        gpu = f" on GPU {own_env['CUDA_VISIBLE_DEVICES']}" if own_env else ""
         options = scheduler_options(args, port, redis_url, i)
         supervisor.start([py, "-m", "scheduler", *config_flags, *to_argv(options), *tls_flags(tls)],
-                         f"scheduler {i} on 127.0.0.1:{port}{gpu}",
+                         f"scheduler {i} on 127.0.0.1:{port}{on_gpus(own_env)}",
                          env={**worker_threads_env(len(envs)), **secret_env, **own_env})
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack, tls=tls)
@@ -205,6 +227,7 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         from_args(EngineConfig, args).validate()   # a bad flag stops here, before any process starts
         parse_tenant_config(args.tenant_config)
+        envs = scheduler_envs(args.num_schedulers, visible_gpus(args.device), args.tensor_parallel_size)
     except ValueError as e:
         print(f"ferry up: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -212,7 +235,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         supervisor = Supervisor(stack)
-        start_stack(args, supervisor)
+        start_stack(args, supervisor, envs)
         print(f"[ferry] {supervisor.run()}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:

@@ -2,6 +2,7 @@
 design names; the GPU override runs the CUDA image; both images install every package Ferry ships."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -18,9 +19,20 @@ needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None,
                                    reason="the docker-compose binary is not installed")
 
 
-def compose(files: tuple[str, ...], *command: str) -> subprocess.CompletedProcess:
+def compose(files: tuple[str, ...], *command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """env: the environment the compose files interpolate (default: this process's)."""
     flags = [arg for name in ("docker-compose.yml", *files) for arg in ("-f", str(ROOT / name))]
-    return subprocess.run(["docker-compose", *flags, *command], capture_output=True, text=True, timeout=60)
+    return subprocess.run(["docker-compose", *flags, *command], capture_output=True, text=True, timeout=60, env=env)
+
+
+def scheduler_service(files: tuple[str, ...], tensor_parallel_size: str | None) -> dict:
+    """The scheduler service as compose resolves it, FERRY_TENSOR_PARALLEL_SIZE set to this or unset."""
+    env = {key: value for key, value in os.environ.items() if key != "FERRY_TENSOR_PARALLEL_SIZE"}
+    if tensor_parallel_size is not None:
+        env["FERRY_TENSOR_PARALLEL_SIZE"] = tensor_parallel_size
+    resolved = compose(files, "config", env=env)
+    assert resolved.returncode == 0, resolved.stderr
+    return yaml.safe_load(resolved.stdout)["services"]["scheduler"]
 
 
 @needs_compose
@@ -38,13 +50,28 @@ def test_compose_overrides_are_valid(overrides: tuple[str, ...]):
     assert check.returncode == 0, check.stderr
 
 
+def flag_value(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
 @needs_compose
 def test_gpu_override_runs_schedulers_on_the_cuda_image_with_one_gpu_each():
-    scheduler = yaml.safe_load(compose(("docker-compose.gpu.yml",), "config").stdout)["services"]["scheduler"]
+    scheduler = scheduler_service(("docker-compose.gpu.yml",), None)
     assert scheduler["build"]["dockerfile"] == "Dockerfile.cuda"
-    assert scheduler["command"][scheduler["command"].index("--device") + 1] == "cuda"
-    devices = scheduler["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert flag_value(scheduler["command"], "--device") == "cuda"
+    assert flag_value(scheduler["command"], "--tensor-parallel-size") == "1"
+    (devices,) = scheduler["deploy"]["resources"]["reservations"]["devices"]
+    assert (devices["driver"], devices["capabilities"], int(devices["count"])) == ("nvidia", ["gpu"], 1)
+
+
+@needs_compose
+@pytest.mark.parametrize("overrides", [(), ("docker-compose.gpu.yml",)], ids=["cpu", "gpu"])
+def test_the_tensor_parallel_size_reaches_the_scheduler_and_its_gpu_reservation(overrides: tuple[str, ...]):
+    scheduler = scheduler_service(overrides, "4")
+    assert flag_value(scheduler["command"], "--tensor-parallel-size") == "4"
+    if overrides:
+        (devices,) = scheduler["deploy"]["resources"]["reservations"]["devices"]
+        assert int(devices["count"]) == 4
 
 
 def shipped_packages() -> list[str]:

@@ -231,16 +231,38 @@ def test_grace_period_outlasts_the_drain_timeout():
         assert pod["terminationGracePeriodSeconds"] > drain + pre_stop_s, module
 
 
-def test_schedulers_take_one_gpu_each_and_register_their_pod_ip():
+def test_schedulers_take_one_gpu_per_rank_and_register_their_pod_ip():
     (container,) = [c for m, c, _ in ferry_containers() if m == "scheduler"]
-    for limits in (container["resources"]["requests"], container["resources"]["limits"]):
-        assert limits["nvidia.com/gpu"] == 1
     args = parsed_args("scheduler", container)
+    assert args.tensor_parallel_size == 1
+    for limits in (container["resources"]["requests"], container["resources"]["limits"]):
+        assert limits["nvidia.com/gpu"] == args.tensor_parallel_size
     assert args.advertise_host == DOWNWARD_API_SAMPLES["status.podIP"]
     assert args.device == "cuda"
     assert container["readinessProbe"]["grpc"]["service"] == "ferry.Scheduler"
     assert args.cluster_token and not args.insecure
     check_exposure(args.host, args.cluster_token, args.insecure)   # would refuse to start on 0.0.0.0 without it
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
+def test_the_tensor_parallel_size_set_once_is_the_schedulers_flag_and_its_gpus(tmp_path: Path):
+    """kubectl kustomize's output, with config.yaml's FERRY_TENSOR_PARALLEL_SIZE changed: the replacements in the
+    kustomization copy it into the scheduler pod's GPU request and limit."""
+    shutil.copytree(MANIFESTS, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "secrets.env").write_text("cluster-token=t\nredis-password=p\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(config.read_text().replace('FERRY_TENSOR_PARALLEL_SIZE: "1"', 'FERRY_TENSOR_PARALLEL_SIZE: "4"'))
+    built = subprocess.run(["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    rendered = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    (deployment,) = [r for r in rendered if r["kind"] == "Deployment" and r["metadata"]["name"] == "ferry-scheduler"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (size,) = [r["data"]["FERRY_TENSOR_PARALLEL_SIZE"] for r in rendered if r["kind"] == "ConfigMap"
+               and "FERRY_TENSOR_PARALLEL_SIZE" in r["data"]]
+    assert size == "4" and "$(FERRY_TENSOR_PARALLEL_SIZE)" in container["args"]
+    for limits in (container["resources"]["requests"], container["resources"]["limits"]):
+        assert int(limits["nvidia.com/gpu"]) == 4
+    validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
 
 
 def test_routers_see_the_model_cache_where_schedulers_register_their_model_paths():

@@ -13,7 +13,7 @@ def test_each_scheduler_gets_a_gpu_of_its_own_from_cuda_visible_devices(monkeypa
     assert gpus == ["0", "3", "5", "7"]
     assert scheduler_envs(None, gpus) == [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus]
     assert scheduler_envs(2, gpus) == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "3"}]
-    with pytest.raises(RuntimeError, match="5 with 4 GPU"):
+    with pytest.raises(ValueError, match="5 with 4 GPU"):
         scheduler_envs(5, gpus)
 
 
