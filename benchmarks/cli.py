@@ -39,6 +39,8 @@ BENCHMARKS = {
                                                           "quantized blocks vs fp32 weights"),
     "lora": Bench("benchmarks.engine.lora", "tok/s with 1, 4 and 16 distinct LoRA adapters in the batch against the "
                                             "base model alone (random adapters)"),
+    "tp": Bench("benchmarks.engine.tensor_parallel", "tensor parallelism: tok/s at 1 and 2 ranks, each rank's "
+                                                     "weights, and the share of a step in collectives"),
     "worker-start": Bench("benchmarks.engine.worker_start", "the time a CPU worker spends loading the default "
                                                             "model's weights"),
     # services: real processes (`ferry up`, a router against a synthetic scheduler), over gRPC and HTTP

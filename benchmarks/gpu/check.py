@@ -30,7 +30,8 @@ from benchmarks.gpu import steps as gpu_steps
 
 # (step, its own timeout in seconds); the first group runs side by side, the second in order
 SIDE_BY_SIDE = [("cuda_tests", 240), ("exactness", 200), ("serve", 240)]
-IN_ORDER = [("throughput", 200), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200), ("lora", 150)]
+IN_ORDER = [("throughput", 200), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200), ("lora", 150),
+            ("tensor_parallel", 120)]
 RESULT_PREFIX = "GPU_CHECK_RESULT "
 
 

@@ -271,6 +271,20 @@ def lora(plan: Plan, work: Path) -> dict:
                    max_tokens=plan.fixed_output // 2, rounds=1, kv_cache_memory=kv_bytes(plan, 4))
 
 
+def tensor_parallel(plan: Plan, work: Path) -> dict:
+    """`ferry bench tp` on the device: TP=1, and TP=2 over NCCL where the machine has two GPUs (with one, the
+    result says that NCCL is untested)."""
+    from benchmarks.engine.tensor_parallel import measure
+
+    directory = str(model_dir(plan, work, plan.serve_shape, torch.bfloat16))
+    sizes = [1, 2] if plan.device == "cuda" and torch.cuda.device_count() >= 2 else [1]
+    result = measure(directory, "bfloat16", sizes, num_requests=plan.lora_requests, prompt_len=plan.fixed_prompt // 2,
+                     max_tokens=plan.fixed_output // 2, rounds=1, kv_cache_memory=kv_bytes(plan, 4))
+    if sizes == [1]:
+        result["nccl"] = "untested: one GPU on this machine"
+    return result
+
+
 STEPS = {"environment": environment, "cuda_tests": cuda_tests, "exactness": exactness, "serve": serve,
          "throughput": throughput, "roofline": roofline, "kernel_bench": kernel_bench, "seeds_claims": seeds_claims,
-         "lora": lora}
+         "lora": lora, "tensor_parallel": tensor_parallel}

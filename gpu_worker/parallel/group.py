@@ -95,6 +95,8 @@ class Followers:
     processes: list[subprocess.Popen] = field(default_factory=list)
     stopped: threading.Event = field(default_factory=threading.Event)
     exit_with_group: bool = False   # a follower's death ends this process
+    forward_seconds: float = 0.0    # spent handing requests down the pipes (what "rank 0 forwards" costs)
+    threads_before: int = 0         # this process's math threads before the ranks split them
 
     @classmethod
     def start(cls, size: int, device_type: str, exit_with_group: bool) -> Followers:
@@ -104,6 +106,7 @@ class Followers:
         if current is not None:
             current.stop()
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        threads_before = torch.get_num_threads()
         if device_type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
@@ -112,7 +115,7 @@ class Followers:
                                        "--parent-pid", str(os.getpid())], stdin=subprocess.PIPE, env=env)
                      for rank in range(1, size)]
         followers = cls(TensorParallel.join(0, size, init_method, device_type), processes,
-                        exit_with_group=exit_with_group)
+                        exit_with_group=exit_with_group, threads_before=threads_before)
         threading.Thread(target=followers.watch, daemon=True, name="tp-followers").start()
         log.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
         current = followers
@@ -126,8 +129,10 @@ class Followers:
         for process in self.processes:
             process.wait()
         dist.destroy_process_group()
+        torch.set_num_threads(self.threads_before)
 
     def send(self, kind: bytes, message) -> None:
+        started = time.perf_counter()
         payload = message.SerializeToString()
         frame = HEADER.pack(kind, len(payload)) + payload
         try:
@@ -136,6 +141,7 @@ class Followers:
                 process.stdin.flush()
         except BrokenPipeError:
             raise RuntimeError("a tensor-parallel rank has exited: the group cannot step") from None
+        self.forward_seconds += time.perf_counter() - started
 
     def watch(self) -> None:
         """A follower that exits leaves the group unable to step: end rank 0 too, so that the scheduler

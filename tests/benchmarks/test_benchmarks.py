@@ -188,3 +188,13 @@ def test_lora_bench_runs_adapters_against_the_base_model(tiny_llama_dir):
     assert set(result["output_tokens_per_s"]) == {"base (LoRA off)", "base (LoRA on)", "1 adapters", "3 adapters"}
     assert all(value > 0 for value in result["output_tokens_per_s"].values())
     assert result["ratio_to_base"]["base (LoRA off)"] == 1.0
+
+
+def test_tp_bench_measures_collectives_and_each_ranks_weights(tiny_llama_dir):
+    result = run_bench("tp", "--model", str(tiny_llama_dir), "--dtype", "float32", "--sizes", "1,2",
+                       "--num-requests", "2", "--prompt-len", "6", "--max-tokens", "3", "--rounds", "1")
+    one, two = result["figures"]["1"], result["figures"]["2"]
+    assert one["decode"]["collective_ms_per_step"] == 0 < two["decode"]["collective_ms_per_step"]
+    assert two["prefill"]["forward_ms_per_step"] > 0
+    whole, ranks = result["memory"]["1"]["rank_weight_bytes"], result["memory"]["2"]["rank_weight_bytes"]
+    assert len(whole) == 1 and len(ranks) == 2 and all(rank < 0.6 * whole[0] for rank in ranks)
