@@ -167,7 +167,10 @@ class Worker:
         model_info = worker_pb2.ModelInfo(num_blocks=pool.num_blocks, block_size=block_size,
                                           max_model_len=max_model_len, vocab_size=whole_shape.vocab_size,
                                           eos_token_ids=eos, model_name=model_dir.name,
-                                          model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape))
+                                          model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape),
+                                          kv_dtype=info["dtype"], num_layers=shape.num_layers,
+                                          num_kv_heads=whole_shape.num_kv_heads, head_dim=shape.head_dim,
+                                          tensor_parallel_size=self.tp.size if self.tp else 1)
         rank_weight_bytes = self.tp.gather_ints(weight_bytes) if self.tp else [weight_bytes]
         if self.tp is not None:
             info["tensor_parallel_size"] = str(self.tp.size)
