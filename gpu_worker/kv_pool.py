@@ -1,6 +1,8 @@
 """The paged KV pool: one preallocated tensor holding every layer's K and V blocks."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gpu_worker.model import ModelShape
@@ -39,3 +41,23 @@ class KVPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """Every layer's K and V of the blocks, [layers, 2, blocks, kv_heads, block_size, head_dim], as raw bytes."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        blocks = self.tensor.index_select(2, index).contiguous().cpu()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """read_blocks's bytes (of another pool of the same layout) into these blocks; ValueError if the size is
+        not theirs."""
+        layers, kinds, _, heads, size, dim = self.tensor.shape
+        shape = (layers, kinds, len(block_ids), heads, size, dim)
+        expected = math.prod(shape) * self.tensor.element_size()
+        if len(data) != expected:
+            raise ValueError(f"KV data of {len(data)} bytes for {len(block_ids)} blocks of "
+                             f"{expected // len(block_ids)}")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        blocks = raw.view(self.tensor.dtype).view(shape).to(self.tensor.device)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        self.tensor.index_copy_(2, index, blocks)

@@ -57,6 +57,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except (ValueError, OSError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext
+                   ) -> worker_pb2.BlocksData:
+        return self.between_steps(self.worker.read_blocks, request, context)
+
+    def WriteBlocks(self, request: worker_pb2.WriteBlocksRequest, context: grpc.ServicerContext
+                    ) -> worker_pb2.BlocksData:
+        return self.between_steps(self.worker.write_blocks, request, context)
+
+    def between_steps(self, method, request, context: grpc.ServicerContext):
+        """On the compute thread, after the steps already handed to it: what a read sees and a write changes is
+        the pool as those steps leave it."""
+        try:
+            return self.compute.submit(method, request).result()
+        except ValueError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         crash_if_poisoned(request, self.poison_token)
         step = self.traced_step if request.traceparents else self.worker.step

@@ -237,6 +237,22 @@ class Worker:
         weights = self.runner.adapters.load(req.name, req.path)
         return worker_pb2.LoadAdapterResponse(rank=weights.rank, target_modules=weights.target_modules)
 
+    def read_blocks(self, req: worker_pb2.ReadBlocksRequest) -> worker_pb2.BlocksData:
+        self.check_kv_transfer()
+        return worker_pb2.BlocksData(data=self.runner.pool.read_blocks(list(req.block_ids)))
+
+    def write_blocks(self, req: worker_pb2.WriteBlocksRequest) -> worker_pb2.BlocksData:
+        self.check_kv_transfer()
+        self.runner.pool.write_blocks(list(req.block_ids), req.data)
+        return worker_pb2.BlocksData()
+
+    def check_kv_transfer(self) -> None:
+        """ValueError where a block is more than this pool's: other ranks' heads, a draft model's pool."""
+        if self.runner is None:
+            raise ValueError("the worker has no model yet")
+        if self.tp is not None or self.runner.draft is not None:
+            raise ValueError("KV transfer with tensor parallelism or a draft model is not supported yet")
+
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         if self.runner is None:
             raise RuntimeError("Worker.step called before Worker.init")

@@ -153,6 +153,43 @@ class BlockManager:
         self.stored_events, self.removed_events = [], []
         return stored, removed
 
+    # --- KV moving between schedulers (scheduler/kv_transfer.py) ----------------------------------------
+    def cached_run(self, block_hashes: list[int]) -> list[int]:
+        """The blocks holding the leading run of these hashes that is cached here."""
+        found = []
+        for block_hash in block_hashes:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Keep blocks from being reused (evicted) until unpinned: they are being read."""
+        for block_id in block_ids:
+            self.take(block_id)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.release_block(block_id)
+
+    def reserve(self, count: int) -> list[int] | None:
+        """count free blocks (the least recently used cached ones evicted, as any allocation does) to receive KV
+        from elsewhere; None where fewer are free."""
+        if count > self.num_free_blocks:
+            return None
+        return [self.pop_free() for _ in range(count)]
+
+    def adopt(self, block_ids: list[int], block_hashes: list[int]) -> None:
+        """Reserved blocks now hold these hashes' KV: they join the prefix cache as if computed here (free,
+        most recently used); a hash already cached leaves its block plain free."""
+        for block_id, block_hash in zip(block_ids, block_hashes):
+            if self.enable_prefix_caching and block_hash not in self.cached:
+                self.blocks[block_id].block_hash = block_hash
+                self.cached[block_hash] = block_id
+                self.stored_events.append(block_hash)
+            self.release_block(block_id)
+
     # --- allocation ----------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
         needed = self.blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)

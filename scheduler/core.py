@@ -79,6 +79,7 @@ class Scheduler:
                                                   config.structured_output_compile_workers,
                                                   config.structured_output_compile_timeout)
         self.compiling: list[Sequence] = []      # waiting for their grammar: not in the queue yet
+        self.held: dict[str, Sequence] = {}      # waiting for their prefix's KV from a peer (scheduler/kv_transfer.py)
         self.failed: list[RequestOutput] = []    # requests whose grammar failed, reported with the next update
         self.speculation = Speculation(config.speculative_config, model.max_model_len)
         self.drafts: dict[str, list[int]] = {}   # the step being scheduled: proposals by seq_id
@@ -94,13 +95,14 @@ class Scheduler:
     # --- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     resumed_token_ids: list[int] = (), sampling: common_pb2.SamplingParams | None = None,
-                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "") -> None:
+                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "", held: bool = False) -> None:
         """resumed_token_ids: tokens a scheduler that died had generated for this request: it goes on after them
         as a preempted sequence would (they count towards max_tokens and penalties, and seeded sampling depends
         only on the position), so the continuation is the one that scheduler would have produced. sampling: the
         message params came from, if they came in one (kept for the worker, not built again). tenancy: its tenant
         and priority, for --scheduling-policy. lora_name: the adapter it runs with (AdapterNotFound where not
-        loaded here)."""
+        loaded here). held: kept out of the queue until release_held (its prefix is being pulled; not with a
+        grammar to compile, which holds it anyway)."""
         self.lora.check_known(lora_name)
         check_new_request(request_id, prompt_token_ids, params, self.requests, self.max_model_len, self.vocab_size,
                           self.config.max_num_seqs, self.config.max_num_batched_tokens, self.block_manager)
@@ -117,8 +119,16 @@ class Scheduler:
         if params.structured_output is not None or params.bad_words:
             self.structured.submit(request_id, params.structured_output, params.bad_words)
             self.compiling.append(first)
+        elif held:
+            self.held[request_id] = first
         else:
             self.waiting.append(first)
+
+    def release_held(self, request_id: str) -> None:
+        """A held request joins the queue (its pull is over, whatever it brought)."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.waiting.append(seq)
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         hash_root = root_hash(self.model_name, self.config.hash_seed, request.lora_name) if request.lora_name else None
@@ -135,6 +145,8 @@ class Scheduler:
         for seq in request.seqs:
             if seq in self.compiling:
                 self.compiling.remove(seq)
+            elif self.held.get(request_id) is seq:
+                del self.held[request_id]
             elif seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
             elif seq.status is SequenceStatus.RUNNING:

@@ -77,6 +77,8 @@ class EngineLoop:
         self.triage = CrashTriage()
         self.restarting = False
         self.arrived: list[Rejoining] = []   # requests taken while the worker restarts
+        self.kv_pulls = None                 # scheduler.kv_transfer.KvPulls where this scheduler pulls KV from peers
+        self.kv_server = None                # and the KvServer that answers its peers
         metrics = SchedulerMetrics(self.load, info.model.model_name, dict(info.device_info),
                                    list(info.rank_weight_bytes))
         self.telemetry = SchedulerTelemetry(metrics, tracing)
@@ -88,9 +90,11 @@ class EngineLoop:
                     outputs: asyncio.Queue, trace_parent: Context | None = None,
                     resumed_token_ids: list[int] | None = None,
                     sampling: common_pb2.SamplingParams | None = None,
-                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "") -> RequestStream:
+                    tenancy: Tenancy = DEFAULT_TENANCY, lora_name: str = "",
+                    kv_source: scheduler_pb2.KvSource | None = None) -> RequestStream:
         """resumed_token_ids: what another scheduler generated for it before it died; sampling: the message params
-        came from; tenancy: its tenant and priority; lora_name: its adapter (Scheduler.add_request)."""
+        came from; tenancy: its tenant and priority; lora_name: its adapter (Scheduler.add_request); kv_source: a
+        peer to pull its prefix's KV from first (scheduler/kv_transfer.py), where this loop pulls."""
         if self.draining:
             raise Draining("the scheduler is shutting down")
         if self.failure and not self.restarting:
@@ -104,14 +108,21 @@ class EngineLoop:
             self.arrived.append(Rejoining(request_id, prompt_token_ids, params, resumed_token_ids or [], tenancy,
                                           lora_name))
         else:
+            pull = self.pulls_from(kv_source)
             self.scheduler.add_request(request_id, prompt_token_ids, params, resumed_token_ids or [], sampling,
-                                       tenancy, lora_name)
+                                       tenancy, lora_name, held=pull)
+            if request_id in self.scheduler.held:
+                self.kv_pulls.start(request_id, kv_source)
             self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent, tenancy.tenant)
         stream = RequestStream(request_id, params.n, outputs)
         self.streams[request_id] = stream
         self.wakeup.set()
         return stream
+
+    def pulls_from(self, source: scheduler_pb2.KvSource | None) -> bool:
+        return (source is not None and self.kv_pulls is not None and self.config.enable_prefix_caching
+                and self.kv_pulls.wanted(source))
 
     def abort(self, request_id: str) -> None:
         """Drop the request: its blocks are freed now, and nothing more is delivered for it."""
@@ -324,4 +335,11 @@ class EngineLoop:
         self.wakeup.set()
 
     def load(self) -> scheduler_pb2.StatsResponse:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.kv_pulls is not None:
+            counters = self.kv_pulls.counters
+            stats.kv_pulls, stats.kv_pulled_blocks = counters.pulls, counters.pulled_blocks
+            stats.kv_pulled_bytes, stats.kv_pull_seconds = counters.pulled_bytes, counters.pull_seconds
+            stats.kv_pull_failures, stats.kv_served_blocks = counters.pull_failures, counters.served_blocks
+        stats.num_held_requests = len(self.scheduler.held)
+        return stats

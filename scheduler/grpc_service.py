@@ -55,7 +55,8 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
         sampling.CopyFrom(request.sampling)   # its own: a part of the request would keep all of it (the prompt) alive
         tenancy = Tenancy(request.tenant, request.priority, request.tenant_weight or 1.0)
         return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent,
-                                list(request.resumed_token_ids), sampling, tenancy, request.lora_name)
+                                list(request.resumed_token_ids), sampling, tenancy, request.lora_name,
+                                request.kv_source if request.HasField("kv_source") else None)
     except AdapterNotFound as e:
         raise StatusError(grpc.StatusCode.NOT_FOUND, str(e)) from e
     except ValueError as e:
@@ -182,6 +183,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except StatusError as e:
             await context.abort(e.code, e.message)
         return scheduler_pb2.LoraAdapterResponse(name=request.name)
+
+    async def FetchBlocks(self, request: scheduler_pb2.FetchBlocksRequest, context: grpc.aio.ServicerContext):
+        if self.loop.kv_server is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this scheduler does not serve its KV")
+        try:
+            async for chunk in self.loop.kv_server.fetch(request):
+                yield chunk
+        except StatusError as e:
+            await context.abort(e.code, e.message)
 
     async def Stats(self, request: scheduler_pb2.StatsRequest, context) -> scheduler_pb2.StatsResponse:
         stats = self.loop.load()

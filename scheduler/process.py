@@ -22,6 +22,7 @@ from protos import scheduler_pb2_grpc
 from protos.registration import SchedulerInfo
 from scheduler.engine_loop import EngineLoop
 from scheduler.grpc_service import SchedulerService
+from scheduler.kv_transfer import KvPulls, KvServer, KvTransferCounters
 from scheduler.options import ServeOptions
 from scheduler.presence import Registry, current_registration
 from scheduler.scheduler_telemetry import Reporting
@@ -54,12 +55,15 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
     config.validate()
     worker = WorkerProcess()
     tracing = setup_tracing("ferry-scheduler")
-    reporting = readiness = watching = None
+    reporting = readiness = watching = loop = None
     try:
         info = await worker.start(config)
         loop = EngineLoop(config, worker, info, tracing, options.limits)
         await load_lora_modules(loop, config.lora_modules)
         scheduler_id = options.scheduler_id or f"{socket.gethostname()}-{os.getpid()}"
+        counters = KvTransferCounters()
+        loop.kv_server = KvServer(loop, counters)
+        loop.kv_pulls = KvPulls(loop, scheduler_id, options.cluster_token, options.tls, counters)
         server, health_servicer, port = await start_grpc(loop, scheduler_id, options)
         address = advertised_address(options, port)
         reporting = await Reporting.start(loop.telemetry.metrics, loop.load, options.host, options.metrics_port,
@@ -82,6 +86,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
                 task.cancel()
         if reporting is not None:
             await reporting.stop()
+        if loop is not None and loop.kv_pulls is not None:
+            await loop.kv_pulls.close()
         await worker.stop()   # the loop restarts workers in place: this is always the current one
         tracing.shutdown()
 

@@ -50,6 +50,7 @@ class StatsCollector:
         yield self.counter("ferry:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens_total)
         yield self.counter("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield from self.spec_decode_counters(s)
+        yield from self.kv_transfer_counters(s)
         if s.max_loras:
             yield from self.lora_info(s)
 
@@ -65,6 +66,15 @@ class StatsCollector:
         for position, accepted in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             family.add_metric([*self.labels[1], str(position)], accepted)
         yield family
+
+    def kv_transfer_counters(self, s: scheduler_pb2.StatsResponse) -> Iterator[CounterMetricFamily]:
+        yield self.counter("ferry:kv_pulls", "Prefix KV pulls from peer schedulers started.", s.kv_pulls)
+        yield self.counter("ferry:kv_pulled_blocks", "KV blocks pulled from peer schedulers.", s.kv_pulled_blocks)
+        yield self.counter("ferry:kv_pulled_bytes", "KV bytes pulled from peer schedulers.", s.kv_pulled_bytes)
+        yield self.counter("ferry:kv_pull_seconds", "Time spent in KV pulls.", s.kv_pull_seconds)
+        yield self.counter("ferry:kv_pull_failures", "KV pulls that ended early (the rest recomputed).",
+                           s.kv_pull_failures)
+        yield self.counter("ferry:kv_served_blocks", "KV blocks streamed to peer schedulers.", s.kv_served_blocks)
 
     def lora_info(self, s: scheduler_pb2.StatsResponse) -> Iterator[GaugeMetricFamily]:
         """vLLM's lora_requests_info (the gateway's LoRA affinity reads it): the adapters running and waiting, as

@@ -69,6 +69,19 @@ class WorkerProcess:
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, e.details()) from e
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the worker did not load the adapter: {e.details()}") from e
 
+    async def read_blocks(self, block_ids: list[int]) -> bytes:
+        """WorkerFailed where the worker cannot (gone, or refusing: FAILED_PRECONDITION with the reason)."""
+        return (await self.blocks_call(self.stub.ReadBlocks, worker_pb2.ReadBlocksRequest(block_ids=block_ids))).data
+
+    async def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        await self.blocks_call(self.stub.WriteBlocks, worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=data))
+
+    async def blocks_call(self, method, request):
+        try:
+            return await method(request)
+        except grpc.aio.AioRpcError as e:
+            raise WorkerFailed(f"worker {type(request).__name__}: {e.code().name}: {e.details()}") from e
+
     async def stop(self) -> None:
         if self.channel is not None:
             await self.channel.close()

@@ -216,9 +216,9 @@ class ConnectStream:
         self.errors: dict[str, scheduler_pb2.RequestFailure] = {}
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams,
-               lora_name: str = "") -> None:
+               lora_name: str = "", kv_source: scheduler_pb2.KvSource | None = None) -> None:
         request = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                                sampling=sampling, lora_name=lora_name)
+                                                sampling=sampling, lora_name=lora_name, kv_source=kv_source)
         self.outgoing.put(scheduler_pb2.ConnectRequest(submit=scheduler_pb2.SubmitRequest(request=request)))
 
     def abort(self, request_id: str) -> None:

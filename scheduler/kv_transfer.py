@@ -1,0 +1,197 @@
+"""KV blocks moving between schedulers: a scheduler pulls the KV of a prompt's cached prefix from the peer that
+holds it (the router names the peer: ScheduleRequest.kv_source) instead of recomputing it.
+
+The holder (KvServer, behind Scheduler.FetchBlocks) checks the caller's layout, pins the leading run of the asked
+hashes that it has cached, reads them from its worker in chunks of whole blocks, streams them, and unpins them.
+The puller (KvPulls) holds the request out of the queue while it pulls: for each chunk it reserves free blocks,
+has its worker write the KV into them, and adopts them into its prefix cache as if computed here; then the request
+joins the queue, and its admission finds the pulled blocks like any cache hit. Any failure (the peer gone, stalled
+PULL_STALL_S, refusing; the pool full; the worker restarting) ends the pull where it is: what arrived is kept, the
+rest is recomputed, and no request fails. The step loop never waits for a pull (the pull's writes queue on the
+worker between steps)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from base.cluster_auth import token_metadata
+from base.errors import StatusError
+from base.grpc_options import GRPC_OPTIONS
+from base.tls import TlsConfig
+from protos import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from scheduler.worker_process import WorkerFailed
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 4 << 20     # KV per streamed message (whole blocks): big enough to stream fast, small to pipeline
+PULL_STALL_S = 5.0        # a peer that sends nothing for this long is given up on (the rest is recomputed)
+MIN_PULL_BLOCKS = 1
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_layout(model: worker_pb2.ModelInfo, hash_root: int) -> scheduler_pb2.KvLayout:
+    return scheduler_pb2.KvLayout(model_name=model.model_name, dtype=model.kv_dtype, block_size=model.block_size,
+                                  num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+                                  head_dim=model.head_dim, tensor_parallel_size=model.tensor_parallel_size or 1,
+                                  hash_root=hash_root)
+
+
+def layout_difference(mine: scheduler_pb2.KvLayout, theirs: scheduler_pb2.KvLayout) -> str:
+    """What differs between two layouts, in words ("" where their blocks are interchangeable)."""
+    return "; ".join(f"{f.name}: {getattr(theirs, f.name)!r} here {getattr(mine, f.name)!r}"
+                     for f in mine.DESCRIPTOR.fields if getattr(mine, f.name) != getattr(theirs, f.name))
+
+
+def block_bytes(layout: scheduler_pb2.KvLayout) -> int:
+    return (2 * layout.num_layers * layout.num_kv_heads * layout.block_size * layout.head_dim
+            * DTYPE_BYTES.get(layout.dtype, 4))
+
+
+@dataclass
+class KvTransferCounters:
+    pulls: int = 0              # pulls started
+    pulled_blocks: int = 0
+    pulled_bytes: int = 0
+    pull_seconds: float = 0.0
+    pull_failures: int = 0      # pulls that ended early (the rest recomputed)
+    served_blocks: int = 0      # blocks this scheduler streamed to peers
+
+
+@dataclass
+class KvServer:
+    """The holder's side: FetchBlocks."""
+    loop: object                # scheduler.engine_loop.EngineLoop
+    counters: KvTransferCounters = field(default_factory=KvTransferCounters)
+
+    def layout(self) -> scheduler_pb2.KvLayout:
+        return kv_layout(self.loop.info.model, self.loop.scheduler.block_manager.root_hash)
+
+    async def fetch(self, request: scheduler_pb2.FetchBlocksRequest) -> AsyncIterator[scheduler_pb2.KvBlocks]:
+        """StatusError FAILED_PRECONDITION where the layouts differ or this scheduler cannot read its blocks."""
+        mine = self.layout()
+        difference = layout_difference(mine, request.layout)
+        if difference:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, f"KV layouts differ: {difference}")
+        if self.loop.restarting or self.loop.failure:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "the worker is restarting")
+        scheduler = self.loop.scheduler
+        manager = scheduler.block_manager
+        block_ids = manager.cached_run(list(request.block_hashes))
+        manager.pin(block_ids)
+        try:
+            per_chunk = max(1, CHUNK_BYTES // block_bytes(mine))
+            for start in range(0, len(block_ids), per_chunk):
+                ids = block_ids[start:start + per_chunk]
+                try:
+                    data = await self.loop.worker.read_blocks(ids)
+                except WorkerFailed as e:
+                    raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+                self.counters.served_blocks += len(ids)
+                yield scheduler_pb2.KvBlocks(block_hashes=request.block_hashes[start:start + len(ids)], data=data)
+        finally:
+            if self.loop.scheduler is scheduler:   # a restarted worker's manager never had these pins
+                manager.unpin(block_ids)
+
+
+class KvPulls:
+    """The puller's side: a task per request that names a peer, holding the request until its pull ends."""
+
+    def __init__(self, loop, scheduler_id: str, cluster_token: str = "", tls: TlsConfig = TlsConfig(),
+                 counters: KvTransferCounters | None = None):
+        self.loop = loop
+        self.scheduler_id = scheduler_id
+        self.metadata = token_metadata(cluster_token)
+        self.tls = tls
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.counters = counters or KvTransferCounters()
+
+    def wanted(self, source: scheduler_pb2.KvSource) -> bool:
+        return bool(source.address) and source.scheduler_id != self.scheduler_id and source.num_blocks > 0
+
+    def start(self, request_id: str, source: scheduler_pb2.KvSource) -> None:
+        """The request is held (Scheduler.add_request(held=True)): pull, then release it to the queue."""
+        self.counters.pulls += 1
+        self.tasks[request_id] = asyncio.create_task(self.pull(request_id, source))
+
+    async def pull(self, request_id: str, source: scheduler_pb2.KvSource) -> None:
+        scheduler = self.loop.scheduler
+        started = time.perf_counter()
+        try:
+            hashes = self.missing_hashes(scheduler, request_id, source.num_blocks)
+            if len(hashes) >= MIN_PULL_BLOCKS:
+                await self.receive(scheduler, request_id, source, hashes)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, WorkerFailed, ValueError) as e:
+            self.counters.pull_failures += 1
+            log.warning("KV pull for %s from %s ended early (the rest is recomputed): %s", request_id,
+                        source.scheduler_id or source.address, describe(e))
+        finally:
+            self.counters.pull_seconds += time.perf_counter() - started
+            self.tasks.pop(request_id, None)
+            if self.loop.scheduler is scheduler:
+                scheduler.release_held(request_id)
+                self.loop.on_kv_events(*scheduler.drain_kv_events())
+                self.loop.wakeup.set()
+
+    @staticmethod
+    def missing_hashes(scheduler, request_id: str, num_blocks: int) -> list[int]:
+        """The request's reusable leading blocks up to num_blocks, past those already cached here."""
+        seq = scheduler.held.get(request_id)
+        if seq is None:
+            return []
+        manager = scheduler.block_manager
+        hashes = manager.reusable_hashes(seq)[:num_blocks]
+        return hashes[len(manager.cached_run(hashes)):]
+
+    async def receive(self, scheduler, request_id: str, source: scheduler_pb2.KvSource, hashes: list[int]) -> None:
+        manager = scheduler.block_manager
+        layout = kv_layout(self.loop.info.model, manager.root_hash)
+        stub = scheduler_pb2_grpc.SchedulerStub(self.channel(source.address))
+        call = stub.FetchBlocks(scheduler_pb2.FetchBlocksRequest(block_hashes=hashes, layout=layout),
+                                metadata=self.metadata)
+        try:
+            while (chunk := await asyncio.wait_for(call.read(), PULL_STALL_S)) is not grpc.aio.EOF:
+                if self.loop.scheduler is not scheduler or request_id not in scheduler.held:
+                    return   # the worker restarted, or the request was aborted: nothing more to do
+                block_ids = manager.reserve(len(chunk.block_hashes))
+                if block_ids is None:
+                    raise ValueError("the pool has no free blocks for the pulled KV")
+                try:
+                    await self.loop.worker.write_blocks(block_ids, chunk.data)
+                except BaseException:
+                    if self.loop.scheduler is scheduler:
+                        manager.unpin(block_ids)
+                    raise
+                if self.loop.scheduler is not scheduler:
+                    return
+                manager.adopt(block_ids, list(chunk.block_hashes))
+                self.counters.pulled_blocks += len(block_ids)
+                self.counters.pulled_bytes += len(chunk.data)
+        finally:
+            call.cancel()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self.channels:
+            self.channels[address] = (
+                grpc.aio.secure_channel(address, self.tls.channel_credentials(),
+                                        GRPC_OPTIONS + self.tls.channel_options())
+                if self.tls.serving else grpc.aio.insecure_channel(address, GRPC_OPTIONS))
+        return self.channels[address]
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        for channel in self.channels.values():
+            await channel.close()
+
+
+def describe(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    if isinstance(error, asyncio.TimeoutError):
+        return f"the peer sent nothing for {PULL_STALL_S:g} s"
+    return str(error) or type(error).__name__
