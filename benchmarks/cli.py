@@ -44,6 +44,8 @@ BENCHMARKS = {
     "worker-start": Bench("benchmarks.engine.worker_start", "the time a CPU worker spends loading the default "
                                                             "model's weights"),
     # services: real processes (`ferry up`, a router against a synthetic scheduler), over gRPC and HTTP
+    "kv-pull": Bench("benchmarks.services.kv_pull", "time to first token of a cached prefix pulled from another "
+                                                    "scheduler vs recomputed; the pull's bytes/s"),
     "serve": Bench("benchmarks.services.serve", "online load against a running router"),
     "prefix": Bench("benchmarks.services.prefix_routing", "prefix caching on/off and hit rate across routing "
                                                           "policies, each configuration a fresh `ferry up`"),

@@ -239,11 +239,11 @@ class Worker:
 
     def read_blocks(self, req: worker_pb2.ReadBlocksRequest) -> worker_pb2.BlocksData:
         self.check_kv_transfer()
-        return worker_pb2.BlocksData(data=self.runner.pool.read_blocks(list(req.block_ids)))
+        return worker_pb2.BlocksData(data=self.runner.pool.read_blocks(list(req.block_ids), req.shm_path))
 
     def write_blocks(self, req: worker_pb2.WriteBlocksRequest) -> worker_pb2.BlocksData:
         self.check_kv_transfer()
-        self.runner.pool.write_blocks(list(req.block_ids), req.data)
+        self.runner.pool.write_blocks(list(req.block_ids), req.data, req.shm_path)
         return worker_pb2.BlocksData()
 
     def check_kv_transfer(self) -> None:

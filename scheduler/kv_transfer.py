@@ -5,7 +5,9 @@ The holder (KvServer, behind Scheduler.FetchBlocks) checks the caller's layout, 
 hashes that it has cached, reads them from its worker in chunks of whole blocks, streams them, and unpins them.
 The puller (KvPulls) holds the request out of the queue while it pulls: for each chunk it reserves free blocks,
 has its worker write the KV into them, and adopts them into its prefix cache as if computed here; then the request
-joins the queue, and its admission finds the pulled blocks like any cache hit. Any failure (the peer gone, stalled
+joins the queue, and its admission finds the pulled blocks like any cache hit. Where the two share a host (the
+holder sees a file the puller made in /dev/shm), a chunk goes as a shared-memory file the holder's worker writes
+and the puller's worker reads and removes, not through the three gRPC hops. Any failure (the peer gone, stalled
 PULL_STALL_S, refusing; the pool full; the worker restarting) ends the pull where it is: what arrived is kept, the
 rest is recomputed, and no request fails. The step loop never waits for a pull (the pull's writes queue on the
 worker between steps)."""
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -31,6 +36,9 @@ CHUNK_BYTES = 4 << 20     # KV per streamed message (whole blocks): big enough t
 PULL_STALL_S = 5.0        # a peer that sends nothing for this long is given up on (the rest is recomputed)
 MIN_PULL_BLOCKS = 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "ferry-kv-"
+STALE_SHM_S = 120.0       # a chunk file nobody read by then (its puller died) is removed by the holder
 
 
 def kv_layout(model: worker_pb2.ModelInfo, hash_root: int) -> scheduler_pb2.KvLayout:
@@ -81,17 +89,22 @@ class KvServer:
         scheduler = self.loop.scheduler
         manager = scheduler.block_manager
         block_ids = manager.cached_run(list(request.block_hashes))
+        shared = shares_memory(request.shm_probe)
+        if shared:
+            remove_stale_chunks()
         manager.pin(block_ids)
         try:
             per_chunk = max(1, CHUNK_BYTES // block_bytes(mine))
             for start in range(0, len(block_ids), per_chunk):
                 ids = block_ids[start:start + per_chunk]
+                path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{uuid.uuid4().hex}") if shared else ""
                 try:
-                    data = await self.loop.worker.read_blocks(ids)
+                    data = await self.loop.worker.read_blocks(ids, path)
                 except WorkerFailed as e:
                     raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
                 self.counters.served_blocks += len(ids)
-                yield scheduler_pb2.KvBlocks(block_hashes=request.block_hashes[start:start + len(ids)], data=data)
+                yield scheduler_pb2.KvBlocks(block_hashes=request.block_hashes[start:start + len(ids)], data=data,
+                                             shm_path=path)
         finally:
             if self.loop.scheduler is scheduler:   # a restarted worker's manager never had these pins
                 manager.unpin(block_ids)
@@ -109,6 +122,7 @@ class KvPulls:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.counters = counters or KvTransferCounters()
+        self.probe = make_probe()   # a file in this host's shared memory that a holder on the same host sees
 
     def wanted(self, source: scheduler_pb2.KvSource) -> bool:
         return bool(source.address) and source.scheduler_id != self.scheduler_id and source.num_blocks > 0
@@ -151,28 +165,42 @@ class KvPulls:
         manager = scheduler.block_manager
         layout = kv_layout(self.loop.info.model, manager.root_hash)
         stub = scheduler_pb2_grpc.SchedulerStub(self.channel(source.address))
-        call = stub.FetchBlocks(scheduler_pb2.FetchBlocksRequest(block_hashes=hashes, layout=layout),
-                                metadata=self.metadata)
+        request = scheduler_pb2.FetchBlocksRequest(block_hashes=hashes, layout=layout,
+                                                   shm_probe=os.path.basename(self.probe))
+        call = stub.FetchBlocks(request, metadata=self.metadata)
         try:
             while (chunk := await asyncio.wait_for(call.read(), PULL_STALL_S)) is not grpc.aio.EOF:
-                if self.loop.scheduler is not scheduler or request_id not in scheduler.held:
-                    return   # the worker restarted, or the request was aborted: nothing more to do
-                block_ids = manager.reserve(len(chunk.block_hashes))
-                if block_ids is None:
-                    raise ValueError("the pool has no free blocks for the pulled KV")
                 try:
-                    await self.loop.worker.write_blocks(block_ids, chunk.data)
-                except BaseException:
-                    if self.loop.scheduler is scheduler:
-                        manager.unpin(block_ids)
-                    raise
-                if self.loop.scheduler is not scheduler:
-                    return
-                manager.adopt(block_ids, list(chunk.block_hashes))
-                self.counters.pulled_blocks += len(block_ids)
-                self.counters.pulled_bytes += len(chunk.data)
+                    if not await self.take(scheduler, request_id, chunk):
+                        return   # the worker restarted, or the request was aborted: nothing more to do
+                finally:
+                    remove_chunk_file(chunk.shm_path)   # gone already once its worker read it
+                self.counters.pulled_bytes += len(chunk.block_hashes) * block_bytes(layout)
         finally:
             call.cancel()
+
+    async def take(self, scheduler, request_id: str, chunk: scheduler_pb2.KvBlocks) -> bool:
+        """The chunk's blocks into reserved blocks of the pool, adopted into the prefix cache; False where the pull
+        is moot (the worker restarted, or the request is gone)."""
+        if self.loop.scheduler is not scheduler or request_id not in scheduler.held:
+            return False
+        if chunk.shm_path and not is_chunk_file(chunk.shm_path):
+            raise ValueError(f"the peer named {chunk.shm_path!r}, not a KV chunk file in {SHM_DIR}")
+        manager = scheduler.block_manager
+        block_ids = manager.reserve(len(chunk.block_hashes))
+        if block_ids is None:
+            raise ValueError("the pool has no free blocks for the pulled KV")
+        try:
+            await self.loop.worker.write_blocks(block_ids, chunk.data, chunk.shm_path)
+        except BaseException:
+            if self.loop.scheduler is scheduler:
+                manager.unpin(block_ids)
+            raise
+        if self.loop.scheduler is not scheduler:
+            return False
+        manager.adopt(block_ids, list(chunk.block_hashes))
+        self.counters.pulled_blocks += len(block_ids)
+        return True
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self.channels:
@@ -187,6 +215,45 @@ class KvPulls:
             task.cancel()
         for channel in self.channels.values():
             await channel.close()
+        remove_chunk_file(self.probe, prefix="")
+
+
+def make_probe() -> str:
+    """A file of ours in /dev/shm ("" where there is none)."""
+    if not os.path.isdir(SHM_DIR):
+        return ""
+    handle, path = tempfile.mkstemp(prefix="ferry-probe-", dir=SHM_DIR)
+    os.close(handle)
+    return path
+
+
+def shares_memory(probe: str) -> bool:
+    """Whether the caller's probe file (a bare name) is in this host's /dev/shm: the same host, the same namespace."""
+    return bool(probe) and os.path.basename(probe) == probe and os.path.isfile(os.path.join(SHM_DIR, probe))
+
+
+def is_chunk_file(path: str) -> bool:
+    return os.path.dirname(path) == SHM_DIR and os.path.basename(path).startswith(SHM_PREFIX)
+
+
+def remove_chunk_file(path: str, prefix: str = SHM_PREFIX) -> None:
+    if path and (not prefix or is_chunk_file(path)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale_chunks() -> None:
+    """Chunk files older than STALE_SHM_S: their puller never read them (it died, or gave up on the stream)."""
+    now = time.time()
+    for entry in os.scandir(SHM_DIR):
+        if entry.name.startswith(SHM_PREFIX):
+            try:
+                if now - entry.stat().st_mtime > STALE_SHM_S:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
 
 
 def describe(error: Exception) -> str:

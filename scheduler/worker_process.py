@@ -69,12 +69,15 @@ class WorkerProcess:
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, e.details()) from e
             raise StatusError(grpc.StatusCode.UNAVAILABLE, f"the worker did not load the adapter: {e.details()}") from e
 
-    async def read_blocks(self, block_ids: list[int]) -> bytes:
-        """WorkerFailed where the worker cannot (gone, or refusing: FAILED_PRECONDITION with the reason)."""
-        return (await self.blocks_call(self.stub.ReadBlocks, worker_pb2.ReadBlocksRequest(block_ids=block_ids))).data
+    async def read_blocks(self, block_ids: list[int], shm_path: str = "") -> bytes:
+        """The blocks' KV (or b"", written to the file shm_path); WorkerFailed where the worker cannot (gone, or
+        refusing: FAILED_PRECONDITION with the reason)."""
+        request = worker_pb2.ReadBlocksRequest(block_ids=block_ids, shm_path=shm_path)
+        return (await self.blocks_call(self.stub.ReadBlocks, request)).data
 
-    async def write_blocks(self, block_ids: list[int], data: bytes) -> None:
-        await self.blocks_call(self.stub.WriteBlocks, worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=data))
+    async def write_blocks(self, block_ids: list[int], data: bytes, shm_path: str = "") -> None:
+        request = worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=data, shm_path=shm_path)
+        await self.blocks_call(self.stub.WriteBlocks, request)
 
     async def blocks_call(self, method, request):
         try:
