@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from base.cluster_auth import token_metadata
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from protos.block_hash import hash_blocks, root_hash
 from scheduler.kv_transfer import PULL_STALL_S
 from tests.conftest import transformers_greedy
 from tests.engine_fixtures import random_prompts
@@ -109,6 +111,22 @@ def test_a_peer_of_another_layout_is_refused_naming_what_differs(stack):
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     details = refused.value.details()
     assert "KV layouts differ" in details and "dtype: 'bfloat16' here 'float32'" in details
+
+
+def test_a_peer_on_another_host_gets_the_blocks_in_the_stream(stack, tiny_llama_dir):
+    """No shared-memory probe (a caller elsewhere): the KV comes as bytes, whole blocks per message, and only the
+    leading run cached here."""
+    prompt = random_prompts(seed=26, count=1, lengths=range(50, 51))[0]
+    serve(stack, 0, [prompt], greedy(1))
+    model_name = Path(tiny_llama_dir).name
+    hashes = hash_blocks(prompt, BLOCK, model_name)
+    layout = scheduler_pb2.KvLayout(model_name=model_name, dtype="float32", block_size=BLOCK, num_layers=2,
+                                    num_kv_heads=2, head_dim=16, tensor_parallel_size=1,
+                                    hash_root=root_hash(model_name))
+    request = scheduler_pb2.FetchBlocksRequest(block_hashes=hashes + [12345], layout=layout)
+    chunks = list(stub(stack, 0).FetchBlocks(request, metadata=token_metadata(stack.cluster_token), timeout=10))
+    assert [h for c in chunks for h in c.block_hashes] == hashes             # 3 full blocks; the made-up one not
+    assert sum(len(c.data) for c in chunks) == len(hashes) * 8192 and not any(c.shm_path for c in chunks)
 
 
 def test_a_stalled_peer_leaves_the_prefix_to_recompute(stack, model):

@@ -288,3 +288,25 @@ def test_kv_events_are_netted_so_their_order_does_not_matter():
     bm.free(again)
     bm.allocate(make_seq("d", [8] * 8), [], 8)          # evicts h for good
     assert bm.drain_events() == ([], [h])
+
+
+def test_pulled_blocks_join_the_prefix_cache_and_pinned_ones_are_never_reused():
+    """KV moving between schedulers: reserved blocks adopted under their hashes are cache hits like computed ones
+    (and reported stored); a pinned cached block survives a pool that runs dry; a hash cached already is not
+    taken twice."""
+    bm = BlockManager(6, BLOCK_SIZE, root_hash("m"))
+    hashes = hash_blocks(list(range(12)), BLOCK_SIZE, "m")
+    reserved = bm.reserve(3)
+    assert reserved is not None and bm.num_free_blocks == 3
+    bm.adopt(reserved, hashes)
+    assert bm.cached_run(hashes) == reserved and bm.num_free_blocks == 6 and bm.num_cached_free_blocks == 3
+    assert bm.drain_events() == (hashes, [])
+    bm.adopt(bm.reserve(1), hashes[:1])                     # already cached: left plain free
+    assert bm.cached_run(hashes) == reserved and bm.num_cached_free_blocks == 3
+    bm.pin(reserved[:1])
+    assert bm.reserve(6) is None
+    taken = bm.reserve(5)                                   # everything but the pinned block: two hashes evicted
+    assert reserved[0] not in taken and bm.cached_run(hashes) == reserved[:1]
+    bm.unpin(reserved[:1])
+    bm.unpin(taken)
+    assert bm.num_free_blocks == 6 and bm.num_cached_free_blocks == 1
