@@ -25,7 +25,7 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 # what `ferry up` sets itself of each service's options; every other field is a flag of `ferry up` too, passed on
-SCHEDULER_SET_HERE = {"host", "port", "advertise_host", "redis_url", "scheduler_id", "metrics_port"}
+SCHEDULER_SET_HERE = {"host", "port", "advertise_host", "redis_url", "scheduler_id", "metrics_port", "role"}
 ROUTER_SET_HERE = {"redis_url", "schedulers", "model_path", "http_host", "workers"}
 
 
@@ -37,6 +37,11 @@ def add_up_parser(sub: argparse._SubParsersAction) -> None:
                         help="schedulers to start; default: one per group of --tensor-parallel-size visible GPUs "
                              "(its worker's ranks pinned to the group's GPUs), or 2 on the CPU (a scheduler's ranks "
                              "share its cores)")
+    parser.add_argument("--prefill-schedulers", type=int, default=0,
+                        help="disaggregated prefill and decode: this many schedulers compute prompts (--role "
+                             "prefill) and --decode-schedulers pull their KV and generate (--role decode); 0: every "
+                             "scheduler does both")
+    parser.add_argument("--decode-schedulers", type=int, default=0, help="see --prefill-schedulers")
     parser.add_argument("--num-routers", type=int, default=1,
                         help="router processes sharing its ports (python -m router --workers N)")
     add_arguments(parser, RouterOptions, skip=ROUTER_SET_HERE)
@@ -190,7 +195,7 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor, envs: list[dic
     for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
         options = scheduler_options(args, port, redis_url, i)
         supervisor.start([py, "-m", "scheduler", *config_flags, *to_argv(options), *tls_flags(tls)],
-                         f"scheduler {i} on 127.0.0.1:{port}{on_gpus(own_env)}",
+                         f"scheduler {i}{role_label(options.role)} on 127.0.0.1:{port}{on_gpus(own_env)}",
                          env={**worker_threads_env(len(envs)), **secret_env, **own_env})
     for port in scheduler_ports:
         wait_for_health(f"127.0.0.1:{port}", stack, tls=tls)
@@ -208,7 +213,33 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor, envs: list[dic
 def scheduler_options(args: argparse.Namespace, port: int, redis_url: str, index: int) -> ServeOptions:
     """Scheduler index's options: `ferry up`'s flags, and what it sets itself."""
     return from_args(ServeOptions, args, skip=SCHEDULER_SET_HERE, port=port, redis_url=redis_url,
-                     metrics_port=args.metrics_port + index if args.metrics_port else 0)
+                     metrics_port=args.metrics_port + index if args.metrics_port else 0,
+                     role=scheduler_role(args, index))
+
+
+def disaggregated_count(args: argparse.Namespace) -> int | None:
+    """The schedulers --prefill-schedulers and --decode-schedulers ask for (None: not disaggregated); ValueError
+    where they do not make a stack."""
+    prefill, decode = args.prefill_schedulers, args.decode_schedulers
+    if not prefill and not decode:
+        return None
+    if prefill < 1 or decode < 1:
+        raise ValueError("--prefill-schedulers and --decode-schedulers go together, each at least 1")
+    if args.num_schedulers and args.num_schedulers != prefill + decode:
+        raise ValueError(f"--num-schedulers {args.num_schedulers} with {prefill} prefill and {decode} decode "
+                         "schedulers: leave it out")
+    return prefill + decode
+
+
+def role_label(role: str) -> str:
+    return "" if role == "both" else f" ({role})"
+
+
+def scheduler_role(args: argparse.Namespace, index: int) -> str:
+    """The first --prefill-schedulers schedulers prefill, the rest decode; without them all do both."""
+    if not args.prefill_schedulers:
+        return "both"
+    return "prefill" if index < args.prefill_schedulers else "decode"
 
 
 def router_options(args: argparse.Namespace, redis_url: str, model_dir: str, scheduler_ports: list[int]
@@ -227,7 +258,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         from_args(EngineConfig, args).validate()   # a bad flag stops here, before any process starts
         parse_tenant_config(args.tenant_config)
-        envs = scheduler_envs(args.num_schedulers, visible_gpus(args.device), args.tensor_parallel_size)
+        envs = scheduler_envs(disaggregated_count(args) or args.num_schedulers, visible_gpus(args.device),
+                              args.tensor_parallel_size)
     except ValueError as e:
         print(f"ferry up: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -59,6 +59,7 @@ class SchedulerInfo:
     running_tokens: int = 0
     lora_adapters: list[str] = field(default_factory=list)            # loaded: requests may name them
     resident_lora_adapters: list[str] = field(default_factory=list)   # in the device's slots: no load to wait for
+    role: str = "both"      # prefill, decode or both (disaggregated prefill and decode: scheduler/options.py)
 
     @property
     def load_tokens(self) -> int:

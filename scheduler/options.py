@@ -9,6 +9,8 @@ from base.options import nested, no_flag, option
 from base.tls import TlsConfig
 from scheduler.admission import AdmissionLimits
 
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclass
 class ServeOptions:
@@ -20,6 +22,10 @@ class ServeOptions:
     redis_url: str = option("", "the Redis this scheduler registers in; empty: none (routers then need "
                                 "--scheduler)", env="FERRY_REDIS_URL")
     scheduler_id: str = option("", "the id it registers under; empty: <hostname>-<pid>")
+    role: str = option("both", "what routers send it under disaggregated prefill and decode: prefill (compute "
+                               "prompts, whose KV a decode scheduler pulls), decode (pull a prompt's KV from a "
+                               "prefill scheduler, then generate), both (everything, as without disaggregation)",
+                       choices=ROLES)
     heartbeat_ttl: float = option(3.0, "seconds a registration lives")
     metrics_port: int = option(0, "Prometheus /metrics port; 0: none", env="FERRY_METRICS_PORT")
     log_stats_interval: float = option(10.0, "seconds between stats lines; 0: none")
