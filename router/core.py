@@ -25,8 +25,10 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.discovery import SchedulerDirectory
 from router.limits import KeyLease, KeyLimiter, OverLimit
+from router.kv_pull import KvPull
 from router.policy import (
-    RoutingInput, RoutingPolicy, least_loaded, notify_finished, policy_name, requested_adapter, with_adapter,
+    RoutingInput, RoutingPolicy, least_loaded, notify_finished, plan_route, policy_name, requested_adapter,
+    with_adapter,
 )
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
 from router.retry import RetryGovernor
@@ -155,10 +157,10 @@ class Router:
                                await self.directory.prefix_matches(candidates[0].model, hashes),
                                prefix_index_live=self.directory.prefix_index_live, request_id=request_id,
                                adapter=adapter)
-        ranked = self.policy(candidates, routing)
-        if not ranked:   # no candidate has the adapter loaded (any more)
+        routed = plan_route(self.policy, candidates, routing)
+        if not routed.ranked:   # no candidate has the adapter loaded (any more)
             raise model_not_found(request.model, candidates)
-        plan = self.retries.plan(ranked)
+        plan = self.retries.plan(routed.ranked)
 
         def new_state() -> StreamState:   # a fresh one per attempt: a retry starts from the first token
             return StreamState(request_id, len(prompt_ids),
@@ -173,7 +175,7 @@ class Router:
                                                  tenant_weight=ticket.tenant.policy.weight, lora_name=adapter)
         observed.routed(request_id, policy_name(self.policy), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
-        return self.proxy(plan.targets, upstream, new_state, observed, hold)
+        return self.proxy(plan.targets, upstream, new_state, observed, hold, routed.pulls)
 
     def connection(self, address: str) -> SchedulerConnection:
         if address not in self.connections:
@@ -194,17 +196,20 @@ class Router:
 
     async def proxy(self, targets: list[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest,
                     new_state: Callable[[], StreamState], observed: RequestObservation,
-                    hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
+                    hold: bool = False, pulls: dict[str, KvPull] | None = None
+                    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream from the first scheduler that takes the request. A full one is skipped for the next; one that
         fails it (UNAVAILABLE, or its stream breaks) is tried again on the next, within the retry limits: from the
         start while no response reached the client, else (one sample) resumed after the tokens the client has, so
-        that it sees one stream; after that the failure is the client's."""
+        that it sees one stream; after that the failure is the client's. A target the policy planned a pull for
+        (`pulls`, by scheduler id) is told where to pull the prompt's prefix from (kv_source)."""
         log, state = AttemptLog(), new_state()
         async for target in self.attempt_order(targets, log, upstream.lora_name):
             if log.retry_pending:
                 self.allow_retry(log, observed, resuming=log.sent)
             started_at = self.retries.clock()
-            request = resumed_request(upstream, state) if log.sent else upstream
+            request = with_kv_source(resumed_request(upstream, state) if log.sent else upstream,
+                                     (pulls or {}).get(target.scheduler_id))
             try:
                 async with contextlib.aclosing(self.attempt(target, request, state, observed, hold)) as attempt:
                     async for response in attempt:
@@ -320,6 +325,16 @@ def resumed_request(upstream: scheduler_pb2.ScheduleRequest, state: StreamState)
     request.resumed_token_ids.extend(state.samples[0].detokenizer.token_ids)
     request.sampling.ClearField("prompt_logprobs")
     return request
+
+
+def with_kv_source(request: scheduler_pb2.ScheduleRequest, pull: KvPull | None) -> scheduler_pb2.ScheduleRequest:
+    """The request as sent to a scheduler that pulls the prompt's prefix from its holder (`pull`), else as it is."""
+    if pull is None:
+        return request
+    pulled = scheduler_pb2.ScheduleRequest()
+    pulled.CopyFrom(request)
+    pulled.kv_source.CopyFrom(pull.kv_source())
+    return pulled
 
 
 async def admit_key(lease: KeyLease, prompt_tokens: int) -> None:

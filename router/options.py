@@ -10,6 +10,7 @@ from base.tls import TlsConfig
 from router.http.body import MAX_REQUEST_BYTES
 from router.http.http_server import HttpLimits
 from router.http.tool_parsers import PARSERS
+from router.kv_pull import KvPullOptions
 from router.limits import KeyLimits
 from router.policy import POLICIES
 from router.retry import RetryOptions
@@ -24,6 +25,7 @@ class RouterOptions:
                                    repeat=True, metavar="HOST:PORT")
     model_path: str = option("", "tokenizer directory for --scheduler fallbacks")
     policy: str = option("cache_aware", "how a request's scheduler is picked", choices=sorted(POLICIES))
+    kv_pull: KvPullOptions = nested(KvPullOptions())   # cache_aware's third choice: pull the prefix from its holder
     http_host: str = option("127.0.0.1", "OpenAI-compatible HTTP host")
     http_port: int = option(8000, "OpenAI-compatible HTTP port; 0: no HTTP")
     http_limits: HttpLimits = nested(HttpLimits())   # connections, header and body timeouts

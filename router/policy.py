@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from protos.registration import SchedulerInfo
+from router.kv_pull import KvPull, KvPullOptions, deepest_holder, pull_tokens, pull_worth_it
 from router.routing_history import RoutingHistory
 
 
@@ -30,6 +31,20 @@ class RoutingInput:
 
 RoutingPolicy = Callable[[Sequence[SchedulerInfo], RoutingInput], list[SchedulerInfo]]
 """Returns the candidates in order of preference (the router tries the next one if the first is unreachable)."""
+
+
+@dataclass
+class RoutingPlan:
+    """The candidates in order of preference, and for those whose best choice is to pull the prompt's cached
+    prefix from its holder, where from (by scheduler id)."""
+    ranked: list[SchedulerInfo]
+    pulls: dict[str, KvPull] = field(default_factory=dict)
+
+
+def plan_route(policy: RoutingPolicy, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> RoutingPlan:
+    """The policy's plan (CacheAwarePolicy: its `plan`, with pulls); a plain function's ranking, with none."""
+    plan = getattr(policy, "plan", None)
+    return plan(candidates, request) if plan is not None else RoutingPlan(policy(candidates, request))
 
 
 def policy_name(policy: RoutingPolicy) -> str:
@@ -84,6 +99,8 @@ RUNNING_TOKEN_WEIGHT = 0.1     # a running sequence's context token slows the st
 RECENT_WINDOW_S = 1.0          # a scheduler's heartbeat (ttl / 3): what the router sent since, Redis cannot know yet
 ADAPTER_LOAD_TOKENS = 2048     # sending a request where its LoRA adapter is not resident, in prefill tokens: see
                                # adapter_load_work
+HOLDER_MARGIN = 0.5            # leaving the prompt's deepest holder costs half the prompt tokens left behind: see
+                               # spread_tokens
 
 
 def uncached_tokens(info: SchedulerInfo, request: RoutingInput, matched_blocks: int) -> int:
@@ -115,14 +132,47 @@ def expected_work(info: SchedulerInfo, request: RoutingInput, matched_blocks: in
     heartbeat, plus what this router sent it since), its running decodes' context, the request's own uncached
     prompt, and loading its LoRA adapter where not resident (`adapter_load`, from adapter_load_work). A cache hit,
     a queue and an adapter load are weighed in the same unit."""
-    queued = info.waiting_tokens + recent_work
-    return (queued + RUNNING_TOKEN_WEIGHT * info.running_tokens + uncached_tokens(info, request, matched_blocks)
-            + adapter_load)
+    return load_work(info, recent_work, adapter_load) + uncached_tokens(info, request, matched_blocks)
+
+
+def load_work(info: SchedulerInfo, recent_work: int = 0, adapter_load: float = 0.0) -> float:
+    """expected_work without the request's own prompt: what is ahead of it there."""
+    return info.waiting_tokens + recent_work + RUNNING_TOKEN_WEIGHT * info.running_tokens + adapter_load
+
+
+def prompt_work(info: SchedulerInfo, request: RoutingInput, local_blocks: int, pull: KvPull | None,
+                options: KvPullOptions) -> tuple[float, KvPull | None]:
+    """The request's own prompt on `info`, in prefill tokens, the cheaper of recomputing what it lacks and pulling
+    the holder's blocks then recomputing the rest; and the pull, where that won."""
+    recompute = uncached_tokens(info, request, local_blocks)
+    if not pull_worth_it(pull, info, local_blocks, options):
+        return recompute, None
+    pulled = uncached_tokens(info, request, pull.num_blocks) + pull_tokens(pull, info, local_blocks, options)
+    return (pulled, pull) if pulled < recompute else (recompute, None)
+
+
+def spread_tokens(info: SchedulerInfo, request: RoutingInput, local_blocks: int, deepest_blocks: int,
+                  margin: float) -> float:
+    """What leaving the scheduler that holds the most of the prompt costs beyond this request: a second copy of the
+    prefix takes pool space that other prefixes then lose. `margin` of the prompt tokens `info` lacks; 0 where it
+    holds as much."""
+    return margin * (uncached_tokens(info, request, local_blocks) - uncached_tokens(info, request, deepest_blocks))
 
 
 def rank_by_work(candidates: Sequence[SchedulerInfo], request: RoutingInput, matched: dict[str, int],
                  recent: dict[str, int], adapter_load: dict[str, float] | None = None) -> list[SchedulerInfo]:
-    """Least expected work first, ties to the rendezvous winner of the first block (equal prefixes gather).
+    """plan_by_work's ranking, with no pulls and no margin for the holder."""
+    return plan_by_work(candidates, request, matched, recent, adapter_load).ranked
+
+
+def plan_by_work(candidates: Sequence[SchedulerInfo], request: RoutingInput, matched: dict[str, int],
+                 recent: dict[str, int], adapter_load: dict[str, float] | None = None, pull: KvPull | None = None,
+                 pull_options: KvPullOptions = KvPullOptions(kv_pull=False), holder_margin: float = 0.0
+                 ) -> RoutingPlan:
+    """Least expected work first, ties to the rendezvous winner of the first block (equal prefixes gather). Each
+    scheduler's work is the lesser of its two ways to the prompt: recompute what it lacks, or pull the holder's
+    blocks (`pull`: the prefix index's deepest holder) and recompute the rest; a scheduler that holds less of
+    the prompt than the one holding most pays `holder_margin` of the difference on top (spread_tokens).
 
     No separate imbalance guard: the queue term already moves a hot prefix on once its holder's queue outweighs a
     cold prefill elsewhere. A guard on raw load tokens (queued + running context) was measured to hurt: it sent
@@ -135,13 +185,19 @@ def rank_by_work(candidates: Sequence[SchedulerInfo], request: RoutingInput, mat
     serving = with_adapter(candidates, request.adapter)
     if adapter_load is None:
         adapter_load = {info.scheduler_id: adapter_load_work(info, request) for info in serving}
+    deepest = max(matched.values(), default=0)
+    pulls: dict[str, KvPull] = {}
 
     def rank(info: SchedulerInfo) -> tuple[float, int]:
-        work = expected_work(info, request, matched.get(info.scheduler_id, 0), recent.get(info.scheduler_id, 0),
-                             adapter_load.get(info.scheduler_id, 0.0))
+        local = matched.get(info.scheduler_id, 0)
+        own, pulled = prompt_work(info, request, local, pull, pull_options)
+        if pulled is not None:
+            pulls[info.scheduler_id] = pulled
+        work = (load_work(info, recent.get(info.scheduler_id, 0), adapter_load.get(info.scheduler_id, 0.0)) + own
+                + spread_tokens(info, request, local, deepest, holder_margin))
         return work, -rendezvous_weight(info.scheduler_id, key)
 
-    return sorted(serving, key=rank)
+    return RoutingPlan(sorted(serving, key=rank), pulls)
 
 
 def cache_aware(candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
@@ -158,31 +214,49 @@ class CacheAwarePolicy:
     only, no Redis), which is also what this policy falls back to when the prefix index is down.
 
     A LoRA adapter is resident where the schedulers' heartbeats say so, or where this router sent a request for it
-    within the window; elsewhere its load costs `adapter_load_tokens` (0: residency ignored, adapter-blind)."""
+    within the window; elsewhere its load costs `adapter_load_tokens` (0: residency ignored, adapter-blind).
+
+    With `kv_pull` on and the prefix index up, a scheduler may instead pull the prefix from the scheduler the index
+    says holds most of it (router/kv_pull.py); `holder_margin`: see spread_tokens."""
     use_prefix_index: bool = True
     history: RoutingHistory = field(default_factory=RoutingHistory)
     recent_window_s: float = RECENT_WINDOW_S
     adapter_load_tokens: float = ADAPTER_LOAD_TOKENS
     adapters_sent: dict[str, dict[str, float]] = field(default_factory=dict)   # adapter -> scheduler id -> when
+    kv_pull: KvPullOptions = KvPullOptions()
+    holder_margin: float = HOLDER_MARGIN
 
     @property
     def __name__(self) -> str:
         return "cache_aware" if self.use_prefix_index else "approximate"
 
     def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        return self.plan(candidates, request).ranked
+
+    def plan(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> RoutingPlan:
+        """The ranking, and the pulls; records the first choice as sent (its work and, pulled or not, its blocks)."""
         matched = self.matched_blocks(request)
         recent = {c.scheduler_id: self.history.recent_work(c.scheduler_id, request.now, self.recent_window_s)
                   for c in candidates}
-        ranked = rank_by_work(candidates, request, matched, recent, self.adapter_load(candidates, request))
-        if not ranked:
-            return ranked
-        chosen = ranked[0]
-        added = (uncached_tokens(chosen, request, matched.get(chosen.scheduler_id, 0))
-                 + RUNNING_TOKEN_WEIGHT * len(request.prompt_token_ids))   # its prefill, then its running context
+        plan = plan_by_work(candidates, request, matched, recent, self.adapter_load(candidates, request),
+                            self.pull_source(candidates, request), self.kv_pull, self.holder_margin)
+        if plan.ranked:
+            self.record(plan.ranked[0], request, matched.get(plan.ranked[0].scheduler_id, 0),
+                        plan.pulls.get(plan.ranked[0].scheduler_id))
+        return plan
+
+    def pull_source(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> KvPull | None:
+        """The prefix index's deepest holder of the prompt, where pulling is on and the index is up."""
+        if not (self.kv_pull.kv_pull and self.use_prefix_index and request.prefix_index_live):
+            return None
+        return deepest_holder(candidates, request.matched_blocks)
+
+    def record(self, chosen: SchedulerInfo, request: RoutingInput, local_blocks: int, pull: KvPull | None) -> None:
+        own, _ = prompt_work(chosen, request, local_blocks, pull, self.kv_pull)
+        added = own + RUNNING_TOKEN_WEIGHT * len(request.prompt_token_ids)   # its prefill, then its running context
         self.history.record(chosen.scheduler_id, request.block_hashes, round(added), request.now, request.request_id)
         if request.adapter:
             self.adapters_sent.setdefault(request.adapter, {})[chosen.scheduler_id] = request.now
-        return ranked
 
     def adapter_load(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> dict[str, float]:
         """Each candidate's cost of making the request's adapter resident (nothing where it was sent lately)."""

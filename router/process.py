@@ -21,7 +21,7 @@ from router.http.http_server import HttpServer, serve_http
 from router.http.served_models import directory_models
 from router.lora_admin import LoraAdmin
 from router.options import RouterOptions
-from router.policy import POLICIES
+from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
 from router.retry import RetryGovernor
 from router.router_telemetry import RouterTelemetry
 from router.shared_limits import key_limiter
@@ -89,6 +89,14 @@ def client_key(metadata, api_keys: list[str]) -> str | None:
     return presented_key(api_keys, str(dict(metadata or ()).get("authorization", "")))
 
 
+def routing_policy(options: RouterOptions) -> RoutingPolicy:
+    """The policy --policy names, with the pull options where it weighs pulls (cache_aware)."""
+    policy = POLICIES[options.policy]()
+    if isinstance(policy, CacheAwarePolicy):
+        policy.kv_pull = options.kv_pull
+    return policy
+
+
 async def serve(options: RouterOptions) -> int:
     directory = SchedulerDirectory(options.redis_url, options.schedulers, options.model_path,
                                    redis_password=options.redis_password, cluster_token=options.cluster_token,
@@ -99,7 +107,7 @@ async def serve(options: RouterOptions) -> int:
     tenants = tenant_directory(options.tenant_config, options.key_tenants, bool(options.api_keys))
     telemetry = RouterTelemetry(tracing=tracing)
     telemetry.metrics.tenants.named = frozenset(tenants.policies)
-    router = Router(directory, POLICIES[options.policy](), telemetry=telemetry,
+    router = Router(directory, routing_policy(options), telemetry=telemetry,
                     max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry),
                     key_limiter=limiter, tenants=tenants,
                     tenant_admission=TenantAdmission(options.shed_queued_requests))

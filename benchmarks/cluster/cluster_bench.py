@@ -8,27 +8,36 @@ With `--adapters A` every request names one of A LoRA adapters (Zipf-popular, `-
 holds `--max-loras` of them resident at once and pays `--lora-load-s` to load another; the report adds the adapter
 loads, and the policy `adapter_blind` (cache_aware with adapter residency ignored) is the baseline of adapter-aware
 routing. The issue 36 figure: `--adapters 64 --num-schedulers 16 --policies round_robin,adapter_blind,cache_aware`.
+
+cache_aware may send a request to a less loaded scheduler that pulls the prompt's cached prefix from its holder
+(issue 42; the router's --kv-pull-cost is set from the profile's link and prefill cost, sim_kv_pull.py);
+`cache_aware_no_pull` is the router with --no-kv-pull. `--in-flight-per-scheduler K` replaces the Poisson rates by
+closed-loop clients: K x N requests in flight, each client sending its next request as its last one ends.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.cluster.cluster_sim import ClusterSim, SimRequest
+from benchmarks.cluster.cluster_sim import BLOCK_SIZE, ClusterSim, SimRequest
 from benchmarks.cluster.cost_model import load_profile
 from benchmarks.cluster.sim_adapters import DEFAULT_MAX_LORAS, AdapterSetup
+from benchmarks.cluster.sim_kv_pull import pull_cost_fraction
 from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, report
 from benchmarks.common.routing_workloads import adapter_names, adapter_picks
 from benchmarks.common.workloads import BenchRequest
+from router.kv_pull import KvPullOptions
 from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
 
 TTFT_TARGET_S = 2.0
-BENCH_POLICIES = {**POLICIES, "adapter_blind": lambda: CacheAwarePolicy(adapter_load_tokens=0)}
-"""The router's policies, and cache_aware blind to where adapters are resident (the baseline of adapter affinity)."""
+BENCH_POLICIES = {**POLICIES, "adapter_blind": lambda: CacheAwarePolicy(adapter_load_tokens=0),
+                  "cache_aware_no_pull": lambda: CacheAwarePolicy(kv_pull=KvPullOptions(kv_pull=False))}
+"""The router's policies; cache_aware blind to where adapters are resident (the baseline of adapter affinity), and
+cache_aware that never pulls a prefix from its holder (--no-kv-pull)."""
 
 
 @dataclass(frozen=True)
@@ -46,10 +55,17 @@ class RunSpec:
     adapter_zipf_s: float = 1.1          # their popularity (0: uniform)
     max_loras: int = DEFAULT_MAX_LORAS   # adapters resident at once on a scheduler
     lora_load_s: float | None = None     # seconds to make one resident (None: the profile's)
+    in_flight_per_scheduler: int = 0     # closed-loop clients per scheduler (0: Poisson arrivals at the rate)
+    holder_margin: float | None = None   # cache_aware's (None: the router's default)
+    timing_noise: float = 0.0            # steps this fraction longer or shorter at random, heartbeats at a random phase
 
     @property
     def rate(self) -> float:
         return self.rate_per_scheduler * self.num_schedulers
+
+    @property
+    def in_flight(self) -> int:
+        return self.in_flight_per_scheduler * self.num_schedulers
 
     def adapter_setup(self) -> AdapterSetup | None:
         if not self.num_adapters:
@@ -90,6 +106,8 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
     return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "heartbeat_s": spec.heartbeat_s,
             "announce_prompts": spec.announce_prompts, "policy": spec.policy, "profile": spec.profile,
             "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
+            "in_flight": spec.in_flight, "pulls": sum(n.pulls for n in sim.nodes.values()),
+            "pulled_blocks": sum(n.pulled_blocks for n in sim.nodes.values()),
             "completed": len(done), "rejected": sum(r.rejected for r in requests),
             "unfinished": len(requests) - len(done) - sum(r.rejected for r in requests),
             "output_tokens_per_s": round(sum(r.num_output_tokens for r in done) / span, 1) if span else 0.0,
@@ -117,14 +135,28 @@ def router_policies(spec: RunSpec) -> list[RoutingPolicy]:
                 else factory() for i in range(spec.num_routers)]   # seeded: the same figures run to run
     for policy in policies:
         if isinstance(policy, CacheAwarePolicy):
-            policy.recent_window_s = spec.heartbeat_s
+            configure_cache_aware(policy, spec)
     return policies
+
+
+def configure_cache_aware(policy: CacheAwarePolicy, spec: RunSpec) -> None:
+    """As the router would be set up on the simulated cluster: a window of one heartbeat, a pull's cost from the
+    profile's link and prefill cost, the margin the spec names."""
+    policy.recent_window_s = spec.heartbeat_s
+    if policy.kv_pull.kv_pull:
+        cost = pull_cost_fraction(load_profile(spec.profile), BLOCK_SIZE)
+        policy.kv_pull = replace(policy.kv_pull, kv_pull_cost=round(cost, 4))
+    if spec.holder_margin is not None:
+        policy.holder_margin = spec.holder_margin
 
 
 def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
     sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks,
-                     spec.heartbeat_s, announce_prompts=spec.announce_prompts, adapters=spec.adapter_setup())
-    timeline = sim.run(sim_requests(requests, spec.rate, spec.seed, spec.num_adapters, spec.adapter_zipf_s))
+                     spec.heartbeat_s, announce_prompts=spec.announce_prompts, adapters=spec.adapter_setup(),
+                     timing_noise=spec.timing_noise, seed=spec.seed)
+    rate = spec.rate if not spec.in_flight else 1.0   # closed loop: the clients set the arrival times
+    timeline = sim.run(sim_requests(requests, rate, spec.seed, spec.num_adapters, spec.adapter_zipf_s),
+                       spec.in_flight)
     return summarize(spec, sim, timeline)
 
 
@@ -134,9 +166,11 @@ def sweep(specs: list[RunSpec], requests: list[BenchRequest]) -> list[dict]:
         result = run_one(spec, requests)
         ttft = result["ttft_s"] or {"p90": float("nan")}
         loads = f", adapter loads {result['adapter_loads']}" if "adapter_loads" in result else ""
-        print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {spec.policy} {spec.rate:g} req/s: "
+        load = f"{spec.in_flight} in flight" if spec.in_flight else f"{spec.rate:g} req/s"
+        print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {spec.policy} {load}: "
               f"{result['output_tokens_per_s']:.1f} out tok/s, TTFT p90 {ttft['p90']:.2f}s, "
-              f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}{loads}", file=sys.stderr, flush=True)
+              f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}, pulls {result['pulls']}{loads}",
+              file=sys.stderr, flush=True)
         runs.append(result)
     return runs
 
@@ -193,14 +227,16 @@ def adapter_claims(by_key: dict[tuple, dict], num_schedulers: int) -> dict:
 
 def table(runs: list[dict]) -> str:
     with_adapters = any("adapter_loads" in r for r in runs)
-    lines = [f"{'N':>3} {'req/s':>8} {'policy':<13} {'done':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
-             f"{'p99':>8} {'hit rate':>8} {'imbal':>6}" + (f" {'loads':>7} {'waits':>7}" if with_adapters else "")]
+    lines = [f"{'N':>3} {'load':>8} {'policy':<19} {'done':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
+             f"{'p99':>8} {'hit rate':>8} {'imbal':>6} {'pulls':>6}"
+             + (f" {'loads':>7} {'waits':>7}" if with_adapters else "")]
     for r in runs:
         t = r["ttft_s"] or {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
         hit = f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "-"
-        lines.append(f"{r['num_schedulers']:>3} {r['request_rate']:>8g} {r['policy']:<13} {r['completed']:>6} "
+        load = f"{r['in_flight']} ifl" if r["in_flight"] else f"{r['request_rate']:g}"
+        lines.append(f"{r['num_schedulers']:>3} {load:>8} {r['policy']:<19} {r['completed']:>6} "
                      f"{r['output_tokens_per_s']:>10.1f} {t['p50']:>8.2f}s {t['p90']:>7.2f}s {t['p99']:>7.2f}s "
-                     f"{hit:>8} {r['imbalance'] or 0:>6.2f}"
+                     f"{hit:>8} {r['imbalance'] or 0:>6.2f} {r['pulls']:>6}"
                      + (f" {r['adapter_loads']:>7} {r['slot_waits']:>7}" if with_adapters else ""))
     return "\n".join(lines)
 
@@ -238,13 +274,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--announce-prompts", action="store_true",
                         help="the schedulers publish a prompt's blocks when they admit it, not only once computed")
     add_adapter_args(parser)
+    parser.add_argument("--in-flight-per-scheduler", default="",
+                        help="closed-loop clients per scheduler, comma list; replaces the Poisson rates")
+    parser.add_argument("--holder-margin", type=float, default=None,
+                        help="cache_aware's margin for the prompt's deepest holder (default: the router's)")
+    parser.add_argument("--timing-noise", type=float, default=0.0,
+                        help="each step up to this fraction longer or shorter, heartbeats at a random phase (seeded "
+                             "by --seed): run-to-run variation as on a real machine")
     parser.add_argument("--plot-dir", type=Path)
     args = parser.parse_args(argv)
     requests = load_requests(args)
-    specs = [RunSpec(int(n), policy, float(rate), args.profile, args.kv_blocks, args.seed, args.num_routers,
+    loads = ([(0.0, int(k)) for k in args.in_flight_per_scheduler.split(",")] if args.in_flight_per_scheduler
+             else [(float(rate), 0) for rate in args.rates_per_scheduler.split(",")])
+    specs = [RunSpec(int(n), policy, rate, args.profile, args.kv_blocks, args.seed, args.num_routers,
                      args.heartbeat_s, args.announce_prompts, args.adapters, args.adapter_zipf_s, args.max_loras,
-                     args.lora_load_s)
-             for n in args.num_schedulers.split(",") for rate in args.rates_per_scheduler.split(",")
+                     args.lora_load_s, in_flight, args.holder_margin, args.timing_noise)
+             for n in args.num_schedulers.split(",") for rate, in_flight in loads
              for policy in args.policies.split(",")]
     runs = sweep(specs, requests)
     print(table(runs), file=sys.stderr, flush=True)

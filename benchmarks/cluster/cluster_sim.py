@@ -9,12 +9,17 @@ same policy function `ferry up` runs, and admission control (a full queue: try t
 several routers (replicas behind a load balancer) each has its own policy instance and in-flight counts, arrivals
 go to them in turn, and a request's finish is told to the router that routed it. With LoRA adapters
 (benchmarks/cluster/sim_adapters.py) each scheduler has device slots, a request may wait for one and pay its
-adapter's load, and the heartbeats publish the resident adapters the router weighs.
+adapter's load, and the heartbeats publish the resident adapters the router weighs. Where the router's plan has the
+chosen scheduler pull the prompt's prefix from its holder (kv_source), the request waits for the transfer and then
+finds the blocks cached (benchmarks/cluster/sim_kv_pull.py). Requests arrive at their own times (Poisson, from the
+bench), or from closed-loop clients: `in_flight` of them at once, each sending its next request the moment the
+last one ends, as benchmark clients and guidellm send them.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,11 +28,13 @@ from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from benchmarks.cluster.cost_model import CostProfile, step_work
 from benchmarks.cluster.sim_adapters import AdapterSetup
+from benchmarks.cluster.sim_kv_pull import install, pin_leading, transfer_seconds
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
 from router.discovery import leading_matches
-from router.policy import RoutingInput, RoutingPolicy, notify_finished
+from router.kv_pull import KvPull
+from router.policy import RoutingInput, RoutingPolicy, notify_finished, plan_route
 from scheduler.admission import AdmissionLimits, QueueFull
 from scheduler.core import Scheduler
 from scheduler.presence import current_registration
@@ -65,6 +72,9 @@ class SimNode:
     busy_s: float = 0.0
     adapter_loads: int = 0
     slot_waits: int = 0                  # requests that found every slot held by running ones when they arrived
+    link_free_s: float = 0.0             # when its link is done sending the pulls queued on it
+    pulls: int = 0                       # pulls it received, and the blocks they brought
+    pulled_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.identity = SchedulerInfo(self.scheduler_id, f"sim:{self.scheduler_id}", MODEL, MODEL, BLOCK_SIZE,
@@ -130,12 +140,16 @@ class ClusterSim:
     """Event loop: arrivals, step completions and heartbeats, in time order. `policy` is one router's policy, or
     a list of them: one per router replica, each given every len(list)-th arrival. `announce_prompts` is the
     schedulers' --announce-prompts: they publish a prompt's blocks when they admit it, not only once computed.
-    `adapters`: the LoRA adapters requests may name, and each scheduler's slots for them."""
+    `adapters`: the LoRA adapters requests may name, and each scheduler's slots for them. `timing_noise`: each
+    step takes up to that fraction more or less than the cost model says, and the heartbeats start at a random
+    phase (both from `seed`): what makes two runs of one load on a real cluster differ."""
 
     def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
                  kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
-                 announce_prompts: bool = False, adapters: AdapterSetup | None = None):
+                 announce_prompts: bool = False, adapters: AdapterSetup | None = None, timing_noise: float = 0.0,
+                 seed: int = 0):
         self.profile, self.heartbeat_s, self.limits, self.adapters = profile, heartbeat_s, limits, adapters
+        self.timing_noise, self.rng = timing_noise, random.Random(seed)
         self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
         self.arrivals = itertools.count()
         self.nodes = {n.scheduler_id: n for n in (new_node(i, profile, kv_blocks or profile.kv_blocks,
@@ -146,21 +160,37 @@ class ClusterSim:
         self.order = itertools.count()
         self.now = 0.0
         self.outstanding = 0
+        self.closed_loop: list[SimRequest] = []   # with in_flight: the requests no client has sent yet
 
     def at(self, time_s: float, handler: Callable, arg: object = None) -> None:
         heapq.heappush(self.events, (time_s, next(self.order), handler, arg))
 
-    def run(self, requests: list[SimRequest]) -> list[SimRequest]:
+    def run(self, requests: list[SimRequest], in_flight: int = 0) -> list[SimRequest]:
+        """Every request to its end; `in_flight` > 0: closed-loop clients, that many requests at once in their
+        order, each sent when one ends (their arrival times are set as they are sent)."""
         for request in requests:
             request.block_hashes = hash_blocks(request.prompt, BLOCK_SIZE, MODEL, adapter=request.adapter)
             self.requests[request.request_id] = request
-            self.at(request.arrival_s, self.arrive, request)
+        if in_flight:
+            self.closed_loop = list(reversed(requests))
+            for _ in range(min(in_flight, len(requests))):
+                self.send_next()
+        else:
+            for request in requests:
+                self.at(request.arrival_s, self.arrive, request)
         self.outstanding = len(requests)
-        self.at(self.heartbeat_s, self.heartbeat)
+        self.at(self.heartbeat_s * (self.rng.random() if self.timing_noise else 1.0), self.heartbeat)
         while self.events and self.outstanding:
             self.now, _, handler, arg = heapq.heappop(self.events)
             handler(arg)
         return requests
+
+    def send_next(self, _: object = None) -> None:
+        """A closed-loop client sends its next request now."""
+        if self.closed_loop:
+            request = self.closed_loop.pop()
+            request.arrival_s = self.now
+            self.at(self.now, self.arrive, request)
 
     def arrive(self, request: SimRequest) -> None:
         request.router = next(self.arrivals) % len(self.routers)    # the load balancer in front: round robin
@@ -168,7 +198,8 @@ class ClusterSim:
         routing = RoutingInput(request.prompt, request.block_hashes, dict(router.pending),
                                self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
                                request_id=request.request_id, adapter=request.adapter)
-        for info in router.policy([n.info for n in self.nodes.values()], routing):
+        plan = plan_route(router.policy, [n.info for n in self.nodes.values()], routing)
+        for info in plan.ranked:
             node = self.nodes[info.scheduler_id]
             try:
                 self.limits.check(node.scheduler, len(request.prompt))
@@ -177,10 +208,31 @@ class ClusterSim:
             request.scheduler_id = node.scheduler_id
             router.pending[node.scheduler_id] += 1
             node.slot_waits += bool(request.adapter) and node.slots_taken(request.adapter)
-            self.admit(node, request)
+            pull = plan.pulls.get(node.scheduler_id)
+            if pull is None:
+                self.admit(node, request)
+            else:
+                self.start_pull(node, request, pull)
             return
         request.rejected = True
         self.outstanding -= 1
+        self.send_next()
+
+    def start_pull(self, node: SimNode, request: SimRequest, pull: KvPull) -> None:
+        """The holder pins what it still holds of the prefix and sends it when its link is free; the request
+        enters the receiver's queue once the blocks are there."""
+        holder = self.nodes[pull.holder.scheduler_id]
+        pinned = pin_leading(holder.scheduler.block_manager, request.block_hashes[:pull.num_blocks])
+        start = max(self.now, holder.link_free_s)
+        holder.link_free_s = start + transfer_seconds(self.profile, len(pinned.block_ids))
+        self.at(holder.link_free_s, self.end_pull, (node, request, pinned))
+
+    def end_pull(self, pulled: tuple[SimNode, SimRequest, object]) -> None:
+        node, request, pinned = pulled
+        pinned.release()
+        node.pulls += 1
+        node.pulled_blocks += install(node.scheduler.block_manager, pinned.block_hashes)
+        self.admit(node, request)
 
     def admit(self, node: SimNode, request: SimRequest) -> None:
         """Into the scheduler (its queue, where its adapter waits for a slot)."""
@@ -194,12 +246,16 @@ class ClusterSim:
         node.step = node.scheduler.schedule()
         if node.step is None:
             return
-        duration = self.profile.step_seconds(step_work(node.step))
+        duration = self.profile.step_seconds(step_work(node.step)) * self.noise()
         if node.step.lora_slots:   # the worker loads them before the step's forward
             node.adapter_loads += len(node.step.lora_slots)
             duration += len(node.step.lora_slots) * self.adapters.load_s
         node.busy_s += duration
         self.at(self.now + duration, self.step_done, node)
+
+    def noise(self) -> float:
+        """A step's duration varies this much around the cost model's (a real machine's jitter), seeded."""
+        return 1.0 + self.timing_noise * (2 * self.rng.random() - 1) if self.timing_noise else 1.0
 
     def step_done(self, node: SimNode) -> None:
         for output in node.scheduler.update(node.step, synthetic_result(node.scheduler, node.step)):
@@ -218,6 +274,7 @@ class ClusterSim:
             router.pending[request.scheduler_id] -= 1
             self.outstanding -= 1
             notify_finished(router.policy, request_id)
+            self.send_next()
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():

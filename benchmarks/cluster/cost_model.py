@@ -16,7 +16,10 @@ BENCHMARKS.md on that machine:
     -> 46,603 tokens, 2,912 blocks; max_num_seqs 128 and max_num_batched_tokens 2,048 are Ferry's defaults;
   - a LoRA adapter made resident (`--adapters`): rank 16 on every linear PEFT targets, 30 layers x 16 x (q 576+576,
     k 576+192, v 576+192, o 576+576, gate and up 576+1,536, down 1,536+576) = 4.9 M parameters, 9.8 MB in bf16,
-    copied from host memory into its slot at ~5 GB/s -> 2 ms (an estimate, not a measurement; `--lora-load-s`).
+    copied from host memory into its slot at ~5 GB/s -> 2 ms (an estimate, not a measurement; `--lora-load-s`);
+  - a pulled block (issue 42): 16 tokens x 23,040 bytes = 368,640 bytes, over loopback at 800 MB/s (assumed:
+    a few hundred MB/s to ~1 GB/s for a gRPC stream between two processes on one host) -> 0.46 ms, 0.10 of the
+    4.5 ms its prefill costs, the ratio the router's --kv-pull-cost defaults to; 1 ms to set a pull up.
 
 `h100_llama8b` — one H100 SXM serving Llama-3.1-8B in bf16, from published specifications (not a measurement):
   - NVIDIA H100 SXM datasheet: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16;
@@ -28,8 +31,10 @@ BENCHMARKS.md on that machine:
   - KV pool: 80 GB x 0.9 - 16.1 GB weights - ~4 GB activations ~ 52 GB -> ~400 k tokens (25,000 blocks of 16);
   - a LoRA adapter made resident: rank 16 on every linear, 32 layers x 16 x (q 4,096+4,096, k and v 4,096+1,024,
     o 4,096+4,096, gate and up 4,096+14,336, down 14,336+4,096) = 41.9 M parameters, 84 MB in bf16, from pinned
-    host memory over PCIe 5 at ~25 GB/s -> 3.4 ms.
-A fitted profile's adapter load is the `cpu` profile's (cost-fit times no loads).
+    host memory over PCIe 5 at ~25 GB/s -> 3.4 ms;
+  - a pulled block: 16 tokens x 128 KiB = 2 MiB, at 25 GB/s (assumed: one 200 Gb/s RDMA NIC, or PCIe 5 through
+    the host; NVLink within a node is ~10x more) -> 84 us, 0.19 of the 432 us its prefill costs; 1 ms to set up.
+A fitted profile's adapter load and pull are the `cpu` profile's (cost-fit times neither).
 """
 from __future__ import annotations
 
@@ -58,6 +63,9 @@ class CostProfile:
     max_num_seqs: int
     max_num_batched_tokens: int
     lora_load_s: float = 0.002   # making one LoRA adapter resident, added to the step that first runs it
+    kv_block_bytes: int = 368_640             # one block's K and V (a pull moves them: sim_kv_pull.py)
+    kv_pull_bytes_per_s: float = 800e6        # a holder's link to the schedulers that pull from it
+    kv_pull_latency_s: float = 0.001          # setting a pull up (the request and the layout check)
 
     def step_seconds(self, work: StepWork) -> float:
         if not (work.prefill_tokens or work.decode_seqs):
@@ -70,7 +78,8 @@ PROFILES = {p.name: p for p in (
     CostProfile("cpu", fixed_s=0.020, prefill_token_s=0.28e-3, decode_seq_s=0.3e-3, context_token_s=1.0e-6,
                 kv_blocks=2912, max_num_seqs=128, max_num_batched_tokens=2048, lora_load_s=0.002),
     CostProfile("h100_llama8b", fixed_s=0.006, prefill_token_s=27e-6, decode_seq_s=27e-6, context_token_s=49e-9,
-                kv_blocks=25_000, max_num_seqs=256, max_num_batched_tokens=8192, lora_load_s=0.0034),
+                kv_blocks=25_000, max_num_seqs=256, max_num_batched_tokens=8192, lora_load_s=0.0034,
+                kv_block_bytes=2 * 1024 * 1024, kv_pull_bytes_per_s=25e9),
 )}
 
 

@@ -19,7 +19,8 @@ from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
-from router.policy import POLICIES, RoutingInput
+from router.kv_pull import KvPull
+from router.policy import POLICIES, RoutingInput, RoutingPlan
 
 SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,
                            decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64)
@@ -267,3 +268,61 @@ def test_ferry_bench_cluster_compares_adapter_aware_and_blind_routing():
     assert all(r["adapter_loads"] >= 2 and r["lora_load_s"] == 0.002 for r in result["runs"])
     assert set(result["claims"]["2"]["adapter_blind/cache_aware"]["2.0"]) == {"ttft_p50", "ttft_p90",
                                                                               "adapter_loads"}
+
+
+# --- pulling a prefix from its holder (issue 42), closed-loop clients ---------------------------------------
+@dataclass
+class PullFromFirst:
+    """A router that sends the first request to sched-00 and every later one to sched-01, pulling from sched-00."""
+    routed: int = 0
+
+    def plan(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> RoutingPlan:
+        ordered = sorted(candidates, key=lambda info: info.scheduler_id)
+        self.routed += 1
+        if self.routed == 1:
+            return RoutingPlan(ordered)
+        return RoutingPlan(ordered[::-1], {"sched-01": KvPull(ordered[0], request.matched_blocks["sched-00"])})
+
+    def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        return self.plan(candidates, request).ranked
+
+
+def test_a_pulled_prefix_costs_its_transfer_instead_of_its_prefill_and_unpins_the_holders_blocks():
+    profile = replace(SECONDS_PER_PREFILL_TOKEN, kv_block_bytes=1000, kv_pull_bytes_per_s=10_000,
+                      kv_pull_latency_s=0.05)                 # 0.1 s a block, against 0.16 s to prefill one
+    sim = ClusterSim(2, profile, PullFromFirst())
+    prefix = list(range(100, 132))                            # two full blocks
+    first, second = sim.run([SimRequest("a", 0.0, prefix + list(range(500, 516)), 1),
+                             SimRequest("b", 10.0, prefix + list(range(600, 616)), 1)])
+    assert second.scheduler_id == "sched-01"
+    assert second.first_token_s - second.arrival_s == pytest.approx(0.05 + 2 * 0.1 + 16 * 0.01)
+    receiver, holder = sim.nodes["sched-01"], sim.nodes["sched-00"].scheduler.block_manager
+    assert (receiver.pulls, receiver.pulled_blocks, receiver.scheduler.block_manager.counters.hits) == (1, 2, 32)
+    assert all(block.ref_count == 0 for block in holder.blocks)
+    assert sim.index.matches(second.block_hashes, set(sim.nodes)) == {"sched-00": 2, "sched-01": 3}
+
+
+def test_pulls_from_one_holder_queue_on_its_link():
+    profile = replace(SECONDS_PER_PREFILL_TOKEN, kv_block_bytes=1000, kv_pull_bytes_per_s=10_000,
+                      kv_pull_latency_s=0.0)
+    sim = ClusterSim(2, profile, PullFromFirst())
+    prefix = list(range(100, 132))
+    done = sim.run([SimRequest("a", 0.0, prefix + [1], 1), SimRequest("b", 10.0, prefix + [2], 1),
+                    SimRequest("c", 10.0, prefix + [3], 1)])
+    assert [r.first_token_s - r.arrival_s for r in done[1:]] == pytest.approx([0.2, 0.4])   # one-token prefills: free
+
+
+def test_closed_loop_clients_send_the_next_request_as_one_ends():
+    sim = one_scheduler()
+    done = sim.run([SimRequest(f"r{i}", 0.0, list(range(100 + 40 * i, 132 + 40 * i)), tokens)
+                    for i, tokens in enumerate((1, 3, 2, 1))], in_flight=2)
+    assert [r.arrival_s for r in done] == [0.0, 0.0, 1.0, 4.0]   # r2 when r0 ends, r3 when r1 and r2 do
+    assert [r.finished_s for r in done] == [1.0, 4.0, 4.0, 5.0]  # (r1 came while r0's step ran: it waited for one)
+
+
+def test_ferry_bench_cluster_compares_pull_and_no_pull_with_closed_loop_clients():
+    requests = workloads.load("tenants", num_requests=200)
+    runs = {policy: run_one(RunSpec(4, policy, 0.0, "cpu", kv_blocks=1024, in_flight_per_scheduler=8), requests)
+            for policy in ("cache_aware_no_pull", "cache_aware")}
+    assert all(r["completed"] == 200 and r["in_flight"] == 32 for r in runs.values())
+    assert runs["cache_aware_no_pull"]["pulls"] == 0 < runs["cache_aware"]["pulls"]
