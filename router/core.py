@@ -23,9 +23,11 @@ from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
+from router.disaggregation import least_loaded as least_loaded_prefill
+from router.disaggregation import prefill, roles
 from router.discovery import SchedulerDirectory
-from router.limits import KeyLease, KeyLimiter, OverLimit
 from router.kv_pull import KvPull
+from router.limits import KeyLease, KeyLimiter, OverLimit
 from router.policy import (
     RoutingInput, RoutingPolicy, least_loaded, notify_finished, plan_route, policy_name, requested_adapter,
     with_adapter,
@@ -157,7 +159,8 @@ class Router:
                                await self.directory.prefix_matches(candidates[0].model, hashes),
                                prefix_index_live=self.directory.prefix_index_live, request_id=request_id,
                                adapter=adapter)
-        routed = plan_route(self.policy, candidates, routing)
+        disaggregated = roles(candidates)
+        routed = plan_route(self.policy, disaggregated[1] if disaggregated else candidates, routing)
         if not routed.ranked:   # no candidate has the adapter loaded (any more)
             raise model_not_found(request.model, candidates)
         plan = self.retries.plan(routed.ranked)
@@ -175,7 +178,28 @@ class Router:
                                                  tenant_weight=ticket.tenant.policy.weight, lora_name=adapter)
         observed.routed(request_id, policy_name(self.policy), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
+        if disaggregated:
+            prefill_targets = least_loaded_prefill(with_adapter(disaggregated[0], adapter), self.pending)
+            return self.prefilled(prefill_targets, plan.targets, upstream, new_state, observed, hold)
         return self.proxy(plan.targets, upstream, new_state, observed, hold, routed.pulls)
+
+    async def prefilled(self, prefill_targets: list[SchedulerInfo], targets: list[SchedulerInfo],
+                        upstream: scheduler_pb2.ScheduleRequest, new_state: Callable[[], StreamState],
+                        observed: RequestObservation, hold: bool) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Disaggregated prefill and decode (router/disaggregation.py): the prompt on a prefill scheduler, then the
+        request on a decode scheduler that pulls its KV from there."""
+        for target in prefill_targets[:1]:
+            self.pending[target.scheduler_id] += 1
+        try:
+            source = await prefill(prefill_targets, upstream, targets[0].block_size or 16, self.connection,
+                                   dict(observed.metadata))
+        finally:
+            for target in prefill_targets[:1]:
+                self.pending[target.scheduler_id] -= 1
+        if source is not None:
+            upstream.kv_source.CopyFrom(source)
+        async for response in self.proxy(targets, upstream, new_state, observed, hold):
+            yield response
 
     def connection(self, address: str) -> SchedulerConnection:
         if address not in self.connections:

@@ -38,7 +38,7 @@ def prefill_request(upstream: scheduler_pb2.ScheduleRequest) -> scheduler_pb2.Sc
     token out."""
     return scheduler_pb2.ScheduleRequest(
         request_id=upstream.request_id + PREFILL_SUFFIX, prompt_token_ids=upstream.prompt_token_ids,
-        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         tenant=upstream.tenant, priority=upstream.priority, tenant_weight=upstream.tenant_weight,
         lora_name=upstream.lora_name)
 
