@@ -42,9 +42,10 @@ class StackConfig:
     num_schedulers: int
     policy: str
     prefix_caching: bool = True
+    extra: tuple[str, ...] = ()   # more `ferry up` flags
 
     def up_flags(self) -> list[str]:
-        flags = ["--num-schedulers", str(self.num_schedulers), "--policy", self.policy]
+        flags = ["--num-schedulers", str(self.num_schedulers), "--policy", self.policy, *self.extra]
         return flags + ([] if self.prefix_caching else ["--no-prefix-caching"])
 
 
@@ -56,6 +57,9 @@ CONFIGS = {c.name: c for c in (
     StackConfig("least_loaded_x2", 2, "least_loaded"),
     StackConfig("random_x2", 2, "random"),
     StackConfig("approximate_x2", 2, "approximate"),
+    StackConfig("cache_aware_no_pull_x2", 2, "cache_aware", extra=("--no-kv-pull",)),
+    StackConfig("prefill_decode_1p1d", 2, "cache_aware",
+                extra=("--prefill-schedulers", "1", "--decode-schedulers", "1")),
 )}
 
 
@@ -65,10 +69,12 @@ def scheduler_stats(address: str, cluster_token: str) -> scheduler_pb2.StatsResp
                                                                metadata=token_metadata(cluster_token))
 
 
-def prefix_counters(stack: ServedStack) -> list[tuple[int, int, int]]:
-    """(prefix-cache query tokens, hit tokens, prompt tokens) per scheduler."""
+def prefix_counters(stack: ServedStack) -> list[tuple[int, int, int, int, int]]:
+    """(prefix-cache query tokens, hit tokens, prompt tokens, KV blocks pulled, pulls that ended early) per
+    scheduler."""
     stats = [scheduler_stats(a, stack.cluster_token) for a in stack.schedulers]
-    return [(s.prefix_cache_queries, s.prefix_cache_hits, s.prompt_tokens_total) for s in stats]
+    return [(s.prefix_cache_queries, s.prefix_cache_hits, s.prompt_tokens_total, s.kv_pulled_blocks,
+             s.kv_pull_failures) for s in stats]
 
 
 def measure(config: StackConfig, requests: list[BenchRequest], rate: float, engine_flags: list[str],
@@ -80,8 +86,8 @@ def measure(config: StackConfig, requests: list[BenchRequest], rate: float, engi
         before = prefix_counters(stack)
         serve = asyncio.run(run_load(requests, stack.router, rate, max_concurrency))
         after = prefix_counters(stack)
-    per_scheduler = [{"queries": a[0] - b[0], "hits": a[1] - b[1], "prompt_tokens": a[2] - b[2]}
-                     for a, b in zip(after, before)]
+    per_scheduler = [{"queries": a[0] - b[0], "hits": a[1] - b[1], "prompt_tokens": a[2] - b[2],
+                      "kv_pulled_blocks": a[3] - b[3], "kv_pull_failures": a[4] - b[4]} for a, b in zip(after, before)]
     queries = sum(s["queries"] for s in per_scheduler)
     hits = sum(s["hits"] for s in per_scheduler)
     serve.pop("ttft_samples_s")
