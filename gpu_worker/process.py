@@ -59,17 +59,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext
                    ) -> worker_pb2.BlocksData:
-        return self.between_steps(self.worker.read_blocks, request, context)
+        return self.beside_steps(self.worker.read_blocks, request, context)
 
     def WriteBlocks(self, request: worker_pb2.WriteBlocksRequest, context: grpc.ServicerContext
                     ) -> worker_pb2.BlocksData:
-        return self.between_steps(self.worker.write_blocks, request, context)
+        return self.beside_steps(self.worker.write_blocks, request, context)
 
-    def between_steps(self, method, request, context: grpc.ServicerContext):
-        """On the compute thread, after the steps already handed to it: what a read sees and a write changes is
-        the pool as those steps leave it."""
+    @staticmethod
+    def beside_steps(method, request, context: grpc.ServicerContext):
+        """On this handler's thread, while a step may run: the blocks read are cached ones (computed by steps
+        whose results are in, pinned, written by no step in flight) and the blocks written are reserved ones (no
+        step reads them until they are adopted, after this returns). Queued behind the steps instead, a read
+        waited for up to two of a busy holder's steps (seconds on a CPU), and pulls timed out."""
         try:
-            return self.compute.submit(method, request).result()
+            return method(request)
         except ValueError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 

@@ -9,8 +9,8 @@ joins the queue, and its admission finds the pulled blocks like any cache hit. W
 holder sees a file the puller made in /dev/shm), a chunk goes as a shared-memory file the holder's worker writes
 and the puller's worker reads and removes, not through the three gRPC hops. Any failure (the peer gone, stalled
 PULL_STALL_S, refusing; the pool full; the worker restarting) ends the pull where it is: what arrived is kept, the
-rest is recomputed, and no request fails. The step loop never waits for a pull (the pull's writes queue on the
-worker between steps)."""
+rest is recomputed, and no request fails. The step loop never waits for a pull, nor the pull for a step: the
+workers read and write the blocks beside their steps (gpu_worker/process.py: why that is safe)."""
 from __future__ import annotations
 
 import asyncio
