@@ -13,6 +13,12 @@ cache_aware may send a request to a less loaded scheduler that pulls the prompt'
 (issue 42; the router's --kv-pull-cost is set from the profile's link and prefill cost, sim_kv_pull.py);
 `cache_aware_no_pull` is the router with --no-kv-pull. `--in-flight-per-scheduler K` replaces the Poisson rates by
 closed-loop clients: K x N requests in flight, each client sending its next request as its last one ends.
+
+`--prefill-schedulers` runs disaggregated prefill and decode beside co-located serving (benchmarks/cluster/
+sim_disagg.py): of the N schedulers, P only prefill and the rest decode, routed by the policy; each item is 0
+(co-located), a count P, or a split "P:D" of N (1:3 of 16: 4 prefill, 12 decode). The report adds inter-token
+latency (ITL: the gaps between a request's output tokens, all requests' together) and TPOT (a request's mean gap),
+the figures disaggregation is for, and per P/D run the prompts' transfers from prefill to decode schedulers.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import numpy as np
 from benchmarks.cluster.cluster_sim import BLOCK_SIZE, ClusterSim, SimRequest
 from benchmarks.cluster.cost_model import load_profile
 from benchmarks.cluster.sim_adapters import DEFAULT_MAX_LORAS, AdapterSetup
+from benchmarks.cluster.sim_disagg import PREFILL_PICKS, DisaggregatedSim
 from benchmarks.cluster.sim_kv_pull import pull_cost_fraction
 from benchmarks.common.cli_args import add_workload_args, bench_parser, load_requests, report
 from benchmarks.common.routing_workloads import adapter_names, adapter_picks
@@ -58,6 +65,8 @@ class RunSpec:
     in_flight_per_scheduler: int = 0     # closed-loop clients per scheduler (0: Poisson arrivals at the rate)
     holder_margin: float | None = None   # cache_aware's (None: the router's default)
     timing_noise: float = 0.0            # steps this fraction longer or shorter at random, heartbeats at a random phase
+    prefill_schedulers: int = 0          # disaggregated: this many prefill schedulers, the rest decode (0: co-located)
+    prefill_pick: str = "heartbeat"      # how P/D picks the prefill scheduler (sim_disagg.py; heartbeat: the router's)
 
     @property
     def rate(self) -> float:
@@ -90,31 +99,70 @@ def sim_requests(requests: list[BenchRequest], rate: float, seed: int, num_adapt
             for i, (r, t, adapter) in enumerate(zip(requests, arrivals, adapters))]
 
 
-def percentiles(values: list[float]) -> dict[str, float] | None:
+def percentiles(values: list[float], digits: int = 3) -> dict[str, float] | None:
     if not values:
         return None
     p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3)}
+    return {"p50": round(float(p50), digits), "p90": round(float(p90), digits), "p99": round(float(p99), digits)}
+
+
+def token_latencies(done: list[SimRequest]) -> dict:
+    """ITL: every gap between consecutive output tokens, of all requests (with p99.9 and the longest: a long
+    prefill stalls the few rows decoding beside it, rare among all gaps); TPOT: each request's mean gap."""
+    gaps = [gap for r in done for gap in r.token_gaps]
+    tpot = [(r.finished_s - r.first_token_s) / (r.num_output_tokens - 1) for r in done if r.num_output_tokens > 1]
+    itl = percentiles(gaps, 4)
+    if itl:
+        itl.update({"p99.9": round(float(np.percentile(gaps, 99.9)), 4), "max": round(max(gaps), 4)})
+    return {"itl_s": itl, "tpot_s": percentiles(tpot, 4)}
+
+
+def hit_rate(nodes: list) -> float | None:
+    counters = [n.scheduler.block_manager.counters for n in nodes]
+    queries, hits = sum(c.queries for c in counters), sum(c.hits for c in counters)
+    return round(hits / queries, 4) if queries else None
+
+
+def disaggregation_summary(spec: RunSpec, sim: ClusterSim, span: float) -> dict:
+    """P/D: the split, how the prompts reached the decode schedulers, and the hit rate of each side (a decode
+    scheduler counts the blocks it pulled as hits: the prefill side's rate is the one that saves compute)."""
+    if not isinstance(sim, DisaggregatedSim):
+        return {}
+    stats, profile = sim.stats, load_profile(spec.profile)
+    return {"prefills": stats.prefills, "recomputed_on_decode": stats.recomputed, "transfers": stats.transfers,
+            "transferred_blocks": stats.transferred_blocks,
+            "transferred_gb": round(stats.transferred_blocks * profile.kv_block_bytes / 1e9, 3),
+            "prefill_s": percentiles(stats.prefill_s, 4), "handoff_s": percentiles(stats.transfer_s, 4),
+            "prefill_hit_rate": hit_rate(sim.role_nodes("prefill")),
+            "decode_hit_rate": hit_rate(sim.role_nodes("decode")),
+            "prefill_busy": busy_fraction(sim.role_nodes("prefill"), span),
+            "decode_busy": busy_fraction(sim.role_nodes("decode"), span)}
+
+
+def busy_fraction(nodes: list, span: float) -> float | None:
+    """The mean share of the run these schedulers spent in steps."""
+    return round(sum(n.busy_s for n in nodes) / (len(nodes) * span), 3) if span and nodes else None
 
 
 def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dict:
     done = [r for r in requests if r.finished_s is not None]
     span = max((r.finished_s for r in done), default=0.0) - min(r.arrival_s for r in requests)
-    counters = [n.scheduler.block_manager.counters for n in sim.nodes.values()]
-    queries, hits = sum(c.queries for c in counters), sum(c.hits for c in counters)
     busy = [n.busy_s for n in sim.nodes.values()]
     return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "heartbeat_s": spec.heartbeat_s,
             "announce_prompts": spec.announce_prompts, "policy": spec.policy, "profile": spec.profile,
             "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
-            "in_flight": spec.in_flight, "pulls": sum(n.pulls for n in sim.nodes.values()),
+            "in_flight": spec.in_flight, "prefill_schedulers": spec.prefill_schedulers,
+            "pulls": sum(n.pulls for n in sim.nodes.values()),
             "pulled_blocks": sum(n.pulled_blocks for n in sim.nodes.values()),
             "completed": len(done), "rejected": sum(r.rejected for r in requests),
             "unfinished": len(requests) - len(done) - sum(r.rejected for r in requests),
             "output_tokens_per_s": round(sum(r.num_output_tokens for r in done) / span, 1) if span else 0.0,
-            "ttft_s": percentiles([r.first_token_s - r.arrival_s for r in done]),
-            "hit_rate": round(hits / queries, 4) if queries else None,
+            "ttft_s": percentiles([r.first_token_s - r.arrival_s for r in done]), **token_latencies(done),
+            "hit_rate": hit_rate(list(sim.nodes.values())),
             "imbalance": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else None,
-            "simulated_s": round(span, 2), **adapter_summary(spec, sim)}
+            "simulated_s": round(span, 2), **adapter_summary(spec, sim),
+            **({"disaggregation": disaggregation_summary(spec, sim, span), "prefill_pick": spec.prefill_pick}
+               if spec.prefill_schedulers else {})}
 
 
 def adapter_summary(spec: RunSpec, sim: ClusterSim) -> dict:
@@ -150,10 +198,17 @@ def configure_cache_aware(policy: CacheAwarePolicy, spec: RunSpec) -> None:
         policy.holder_margin = spec.holder_margin
 
 
+def new_sim(spec: RunSpec) -> ClusterSim:
+    args = (spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks, spec.heartbeat_s)
+    kwargs = dict(announce_prompts=spec.announce_prompts, adapters=spec.adapter_setup(),
+                  timing_noise=spec.timing_noise, seed=spec.seed)
+    if spec.prefill_schedulers:
+        return DisaggregatedSim(spec.prefill_schedulers, *args, prefill_pick=spec.prefill_pick, **kwargs)
+    return ClusterSim(*args, **kwargs)
+
+
 def run_one(spec: RunSpec, requests: list[BenchRequest]) -> dict:
-    sim = ClusterSim(spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks,
-                     spec.heartbeat_s, announce_prompts=spec.announce_prompts, adapters=spec.adapter_setup(),
-                     timing_noise=spec.timing_noise, seed=spec.seed)
+    sim = new_sim(spec)
     rate = spec.rate if not spec.in_flight else 1.0   # closed loop: the clients set the arrival times
     timeline = sim.run(sim_requests(requests, rate, spec.seed, spec.num_adapters, spec.adapter_zipf_s),
                        spec.in_flight)
@@ -167,12 +222,31 @@ def sweep(specs: list[RunSpec], requests: list[BenchRequest]) -> list[dict]:
         ttft = result["ttft_s"] or {"p90": float("nan")}
         loads = f", adapter loads {result['adapter_loads']}" if "adapter_loads" in result else ""
         load = f"{spec.in_flight} in flight" if spec.in_flight else f"{spec.rate:g} req/s"
-        print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {spec.policy} {load}: "
+        itl = result["itl_s"] or {"p90": float("nan")}
+        print(f"[bench] N={spec.num_schedulers} R={spec.num_routers} {run_label(result)} {load}: "
               f"{result['output_tokens_per_s']:.1f} out tok/s, TTFT p90 {ttft['p90']:.2f}s, "
+              f"ITL p90 {itl['p90'] * 1e3:.1f}ms, "
               f"hit rate {result['hit_rate']}, imbalance {result['imbalance']}, pulls {result['pulls']}{loads}",
               file=sys.stderr, flush=True)
         runs.append(result)
     return runs
+
+
+def run_label(run: dict) -> str:
+    """The policy, and a P/D run's split (prefill:decode schedulers)."""
+    prefill = run.get("prefill_schedulers", 0)
+    if not prefill:
+        return run["policy"]
+    pick = "" if run["prefill_pick"] == "heartbeat" else f" ({run['prefill_pick']})"
+    return f"{run['policy']} P/D {prefill}:{run['num_schedulers'] - prefill}{pick}"
+
+
+def prefill_count(item: str, num_schedulers: int) -> int:
+    """A --prefill-schedulers item for N schedulers: 0 (co-located), a count, or a split "P:D" of N."""
+    if ":" not in item:
+        return int(item)
+    prefill, decode = (float(x) for x in item.split(":"))
+    return min(num_schedulers - 1, max(1, round(num_schedulers * prefill / (prefill + decode))))
 
 
 def comparison_rate(runs: list[dict], num_schedulers: int) -> float | None:
@@ -188,7 +262,8 @@ def ratio(a: float, b: float) -> float | None:
 
 def claims(runs: list[dict]) -> dict:
     """The routing targets, per cluster size: at round_robin's 2 s rate, cache_aware vs round_robin;
-    at every rate, cache_aware vs least_loaded."""
+    at every rate, cache_aware vs least_loaded. Co-located runs only."""
+    runs = [r for r in runs if not r.get("prefill_schedulers")]
     by_key = {(r["num_schedulers"], r["policy"], r["request_rate"]): r for r in runs}
     out = {}
     for n in sorted({r["num_schedulers"] for r in runs}):
@@ -227,16 +302,18 @@ def adapter_claims(by_key: dict[tuple, dict], num_schedulers: int) -> dict:
 
 def table(runs: list[dict]) -> str:
     with_adapters = any("adapter_loads" in r for r in runs)
-    lines = [f"{'N':>3} {'load':>8} {'policy':<19} {'done':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
-             f"{'p99':>8} {'hit rate':>8} {'imbal':>6} {'pulls':>6}"
+    lines = [f"{'N':>3} {'load':>8} {'policy':<27} {'done':>6} {'out tok/s':>10} {'TTFT p50':>9} {'p90':>8} "
+             f"{'p99':>8} {'ITL p50':>8} {'p90':>7} {'hit rate':>8} {'imbal':>6} {'pulls':>6}"
              + (f" {'loads':>7} {'waits':>7}" if with_adapters else "")]
     for r in runs:
         t = r["ttft_s"] or {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
         hit = f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "-"
         load = f"{r['in_flight']} ifl" if r["in_flight"] else f"{r['request_rate']:g}"
-        lines.append(f"{r['num_schedulers']:>3} {load:>8} {r['policy']:<19} {r['completed']:>6} "
+        itl = r["itl_s"] or {"p50": float("nan"), "p90": float("nan")}
+        lines.append(f"{r['num_schedulers']:>3} {load:>8} {run_label(r):<27} {r['completed']:>6} "
                      f"{r['output_tokens_per_s']:>10.1f} {t['p50']:>8.2f}s {t['p90']:>7.2f}s {t['p99']:>7.2f}s "
-                     f"{hit:>8} {r['imbalance'] or 0:>6.2f} {r['pulls']:>6}"
+                     f"{itl['p50'] * 1e3:>6.1f}ms {itl['p90'] * 1e3:>5.1f}ms {hit:>8} {r['imbalance'] or 0:>6.2f} "
+                     f"{r['pulls']:>6}"
                      + (f" {r['adapter_loads']:>7} {r['slot_waits']:>7}" if with_adapters else ""))
     return "\n".join(lines)
 
@@ -281,6 +358,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timing-noise", type=float, default=0.0,
                         help="each step up to this fraction longer or shorter, heartbeats at a random phase (seeded "
                              "by --seed): run-to-run variation as on a real machine")
+    parser.add_argument("--prefill-schedulers", default="0",
+                        help="disaggregated prefill and decode, comma list: 0 (co-located), P prefill schedulers "
+                             "of N (the rest decode), or a split P:D of N (e.g. 0,1:1,1:3)")
+    parser.add_argument("--prefill-pick", default="heartbeat", choices=PREFILL_PICKS,
+                        help="P/D's prefill scheduler: the router's (fewest queued prompt tokens at the last "
+                             "heartbeat) or, a what-if, fewest prompt tokens this router has in flight there")
     parser.add_argument("--plot-dir", type=Path)
     args = parser.parse_args(argv)
     requests = load_requests(args)
@@ -288,9 +371,10 @@ def main(argv: list[str]) -> int:
              else [(float(rate), 0) for rate in args.rates_per_scheduler.split(",")])
     specs = [RunSpec(int(n), policy, rate, args.profile, args.kv_blocks, args.seed, args.num_routers,
                      args.heartbeat_s, args.announce_prompts, args.adapters, args.adapter_zipf_s, args.max_loras,
-                     args.lora_load_s, in_flight, args.holder_margin, args.timing_noise)
+                     args.lora_load_s, in_flight, args.holder_margin, args.timing_noise,
+                     prefill_count(split, int(n)), args.prefill_pick)
              for n in args.num_schedulers.split(",") for rate, in_flight in loads
-             for policy in args.policies.split(",")]
+             for split in args.prefill_schedulers.split(",") for policy in args.policies.split(",")]
     runs = sweep(specs, requests)
     print(table(runs), file=sys.stderr, flush=True)
     if args.plot_dir:

@@ -56,8 +56,10 @@ class SimRequest:
     scheduler_id: str = ""
     router: int = 0                      # which router replica routed it
     first_token_s: float | None = None
+    last_token_s: float | None = None
     finished_s: float | None = None
     num_output_tokens: int = 0
+    token_gaps: list[float] = field(default_factory=list)   # seconds between its consecutive output tokens
     rejected: bool = False
 
 
@@ -194,12 +196,20 @@ class ClusterSim:
 
     def arrive(self, request: SimRequest) -> None:
         request.router = next(self.arrivals) % len(self.routers)    # the load balancer in front: round robin
+        policy = self.routers[request.router].policy
+        plan = plan_route(policy, [n.info for n in self.nodes.values()], self.routing_input(request))
+        self.place(request, plan.ranked, plan.pulls)
+
+    def routing_input(self, request: SimRequest) -> RoutingInput:
         router = self.routers[request.router]
-        routing = RoutingInput(request.prompt, request.block_hashes, dict(router.pending),
-                               self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
-                               request_id=request.request_id, adapter=request.adapter)
-        plan = plan_route(router.policy, [n.info for n in self.nodes.values()], routing)
-        for info in plan.ranked:
+        return RoutingInput(request.prompt, request.block_hashes, dict(router.pending),
+                            self.index.matches(request.block_hashes, set(self.nodes)), now=self.now,
+                            request_id=request.request_id, adapter=request.adapter)
+
+    def place(self, request: SimRequest, ranked: Sequence[SchedulerInfo], pulls: dict[str, KvPull]) -> None:
+        """Into the first of ranked whose queue takes it (pulling first where pulls names it), or rejected."""
+        router = self.routers[request.router]
+        for info in ranked:
             node = self.nodes[info.scheduler_id]
             try:
                 self.limits.check(node.scheduler, len(request.prompt))
@@ -208,21 +218,26 @@ class ClusterSim:
             request.scheduler_id = node.scheduler_id
             router.pending[node.scheduler_id] += 1
             node.slot_waits += bool(request.adapter) and node.slots_taken(request.adapter)
-            pull = plan.pulls.get(node.scheduler_id)
+            pull = pulls.get(node.scheduler_id)
             if pull is None:
                 self.admit(node, request)
             else:
-                self.start_pull(node, request, pull)
+                self.start_pull(node, request, self.nodes[pull.holder.scheduler_id], pull.num_blocks)
             return
         request.rejected = True
         self.outstanding -= 1
         self.send_next()
 
-    def start_pull(self, node: SimNode, request: SimRequest, pull: KvPull) -> None:
-        """The holder pins what it still holds of the prefix and sends it when its link is free; the request
+    def start_pull(self, node: SimNode, request: SimRequest, holder: SimNode, num_blocks: int) -> None:
+        """The holder pins what it still holds of the prefix past what the receiver has cached (only missing
+        blocks are asked for, as scheduler/kv_transfer.py does) and sends it when its link is free; the request
         enters the receiver's queue once the blocks are there."""
-        holder = self.nodes[pull.holder.scheduler_id]
-        pinned = pin_leading(holder.scheduler.block_manager, request.block_hashes[:pull.num_blocks])
+        wanted = request.block_hashes[:num_blocks]
+        have = len(node.scheduler.block_manager.cached_run(wanted))
+        pinned = pin_leading(holder.scheduler.block_manager, wanted[have:])
+        if not pinned.block_ids:   # nothing to pull: no transfer is set up
+            self.admit(node, request)
+            return
         start = max(self.now, holder.link_free_s)
         holder.link_free_s = start + transfer_seconds(self.profile, len(pinned.block_ids))
         self.at(holder.link_free_s, self.end_pull, (node, request, pinned))
@@ -267,6 +282,9 @@ class ClusterSim:
         request = self.requests[request_id]
         if request.first_token_s is None:
             request.first_token_s = self.now
+        elif num_tokens:
+            request.token_gaps.extend([(self.now - request.last_token_s) / num_tokens] * num_tokens)
+        request.last_token_s = self.now
         request.num_output_tokens += num_tokens
         if finished:
             request.finished_s = self.now

@@ -1,5 +1,6 @@
 """The cluster simulation: cost model and event loop on small cases with known answers, real schedulers and
-policies inside, LoRA adapters' slots and loads, and a small `ferry bench cluster` run."""
+policies inside, LoRA adapters' slots and loads, KV pulls, disaggregated prefill and decode, and small
+`ferry bench cluster` runs."""
 from __future__ import annotations
 
 import json
@@ -10,11 +11,13 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from benchmarks.cluster.cluster_bench import RunSpec, router_policies, run_one, sim_requests, summarize
+from benchmarks.cluster.cluster_bench import RunSpec, prefill_count, router_policies, run_one, sim_requests, summarize
 from benchmarks.cluster.cluster_sim import BLOCK_SIZE, MODEL, ClusterSim, SimRequest
 from benchmarks.cluster.cost_fit import StepSample, fit
 from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_profile, step_work
+from benchmarks.cluster.long_mix import long_mix
 from benchmarks.cluster.sim_adapters import AdapterSetup
+from benchmarks.cluster.sim_disagg import DisaggregatedSim
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
@@ -23,14 +26,14 @@ from router.kv_pull import KvPull
 from router.policy import POLICIES, RoutingInput, RoutingPlan
 
 SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,
-                           decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64)
+                           decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64, prefill_context_token_s=0.0)
 SECONDS_PER_PREFILL_TOKEN = replace(SECONDS_PER_STEP, name="prefill_only", fixed_s=0.0, prefill_token_s=0.01)
 
 
 def test_a_chunk_reads_the_context_before_each_of_its_rows():
-    assert chunk_work(0, 4) == StepWork(prefill_tokens=4, context_tokens=1 + 2 + 3 + 4)
+    assert chunk_work(0, 4) == StepWork(prefill_tokens=4, context_tokens=10, prefill_context_tokens=1 + 2 + 3 + 4)
     assert chunk_work(10, 1) == StepWork(decode_seqs=1, context_tokens=11)
-    assert chunk_work(16, 3) == StepWork(prefill_tokens=3, context_tokens=17 + 18 + 19)
+    assert chunk_work(16, 3) == StepWork(prefill_tokens=3, context_tokens=54, prefill_context_tokens=17 + 18 + 19)
 
 
 def test_step_cost_adds_fixed_prefill_decode_and_context_terms():
@@ -40,11 +43,20 @@ def test_step_cost_adds_fixed_prefill_decode_and_context_terms():
     assert profile.step_seconds(StepWork()) == 0.0        # a step that only frees sequences runs no forward
 
 
+def test_prefill_rows_pay_their_own_attention_rate_and_a_fitted_profile_one_rate_for_both():
+    work = StepWork(prefill_tokens=2, decode_seqs=1, context_tokens=100, prefill_context_tokens=60)
+    profile = replace(PROFILES["cpu"], fixed_s=0.0, prefill_token_s=0.0, decode_seq_s=0.0, context_token_s=0.01,
+                      prefill_context_token_s=0.001)
+    assert profile.step_seconds(work) == pytest.approx(40 * 0.01 + 60 * 0.001)
+    assert replace(profile, prefill_context_token_s=None).step_seconds(work) == pytest.approx(100 * 0.01)
+
+
 def test_step_work_reads_new_and_cached_sequences_of_a_step():
     step = worker_pb2.StepRequest()
     step.new_seqs.add(seq_id="a", num_computed_tokens=0, num_scheduled_tokens=4)
     step.cached_seqs.add(seq_id="b", num_computed_tokens=10, num_scheduled_tokens=1)
-    assert step_work(step) == StepWork(prefill_tokens=4, decode_seqs=1, context_tokens=10 + 11)
+    assert step_work(step) == StepWork(prefill_tokens=4, decode_seqs=1, context_tokens=10 + 11,
+                                       prefill_context_tokens=10)
 
 
 def one_scheduler(profile=SECONDS_PER_STEP, policy: str = "round_robin", num_schedulers: int = 1) -> ClusterSim:
@@ -326,3 +338,54 @@ def test_ferry_bench_cluster_compares_pull_and_no_pull_with_closed_loop_clients(
             for policy in ("cache_aware_no_pull", "cache_aware")}
     assert all(r["completed"] == 200 and r["in_flight"] == 32 for r in runs.values())
     assert runs["cache_aware_no_pull"]["pulls"] == 0 < runs["cache_aware"]["pulls"]
+
+
+def test_a_pd_hand_off_costs_the_prefill_there_the_transfer_of_its_full_blocks_and_the_rest_on_decode():
+    profile = replace(SECONDS_PER_PREFILL_TOKEN, kv_block_bytes=1000, kv_pull_bytes_per_s=10_000,
+                      kv_pull_latency_s=0.05)                 # 0.1 s a block after 0.05 s to set up
+    sim = DisaggregatedSim(1, 2, profile, POLICIES["round_robin"]())
+    prompt = list(range(100, 153))                            # three full blocks and 5 tokens
+    first, second = sim.run([SimRequest("a", 0.0, prompt, 2), SimRequest("b", 10.0, prompt[:48] + [7] * 5, 2)])
+    assert first.scheduler_id == second.scheduler_id == "sched-01"
+    assert first.first_token_s == pytest.approx(53 * 0.01 + 0.05 + 3 * 0.1 + 5 * 0.01)
+    # the second finds its three blocks cached on both sides: it prefills 5 tokens there, nothing moves, 5 here
+    assert second.first_token_s - second.arrival_s == pytest.approx(5 * 0.01 + 5 * 0.01)
+    assert (sim.stats.prefills, sim.stats.transfers, sim.stats.transferred_blocks) == (2, 1, 3)
+    assert sim.stats.transfer_s == pytest.approx([0.35, 0.0])
+    prefill, decode = sim.nodes["sched-00"].scheduler.block_manager, sim.nodes["sched-01"].scheduler.block_manager
+    assert (prefill.counters.hits, decode.counters.hits) == (48, 96)
+    assert all(block.ref_count == 0 for block in prefill.blocks)
+    assert first.num_output_tokens == 2 and sim.handoffs == {}
+
+
+def long_prefills_among_decodes() -> list[SimRequest]:
+    """Long-output chats, and every 0.5 s a long prompt arriving while they decode."""
+    chats = [SimRequest(f"c{i}", 0.0, list(range(1000 * i, 1000 * i + 20)), 500) for i in range(4)]
+    documents = [SimRequest(f"d{i}", 0.5 * i, list(range(50_000 + 4000 * i, 53_000 + 4000 * i)), 2)
+                 for i in range(1, 6)]
+    return chats + documents
+
+
+def test_pd_keeps_long_prefills_out_of_the_decode_steps_at_the_price_of_the_first_token():
+    profile = replace(PROFILES["h100_llama8b"], max_num_batched_tokens=512)
+    colocated = one_scheduler(profile, "least_loaded", num_schedulers=2)
+    disaggregated = DisaggregatedSim(1, 2, profile, POLICIES["least_loaded"]())
+    runs = {name: sim.run(long_prefills_among_decodes()) for name, sim in (("co", colocated),
+                                                                             ("pd", disaggregated))}
+    worst_gap = {name: max(gap for r in done[:4] for gap in r.token_gaps) for name, done in runs.items()}
+    decode_step = profile.fixed_s + 4 * profile.decode_seq_s
+    assert worst_gap["co"] > 512 * profile.prefill_token_s > 2 * decode_step > worst_gap["pd"]
+    ttft = {name: max(r.first_token_s - r.arrival_s for r in done[4:]) for name, done in runs.items()}
+    assert ttft["pd"] > ttft["co"]     # the documents' prefills share one scheduler, then move
+    assert disaggregated.stats.transferred_blocks == 4 * 1 + 5 * ((3000 - 1) // BLOCK_SIZE)   # all but the last token
+
+
+def test_ferry_bench_cluster_compares_pd_splits_with_co_located_serving():
+    requests = long_mix(40, long_fraction=0.3)
+    runs = [run_one(RunSpec(4, "cache_aware", 2.0, "h100_llama8b", prefill_schedulers=p), requests) for p in (0, 1)]
+    assert [r["completed"] for r in runs] == [40, 40]
+    colocated, disaggregated = runs
+    assert disaggregated["itl_s"]["max"] < 0.05 < 0.1 < colocated["itl_s"]["max"]   # no 3k-6k-token prefill beside
+    assert disaggregated["disaggregation"]["transfers"] == 40 and colocated["pulls"] == 0
+    assert disaggregated["tpot_s"] is not None and "disaggregation" not in colocated
+    assert prefill_count("1:3", 16) == 4 and prefill_count("1:1", 64) == 32 and prefill_count("5", 16) == 5
