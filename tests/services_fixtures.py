@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -191,6 +193,34 @@ def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for: {what}")
         time.sleep(0.05)
+
+
+FERRY = str(Path(sys.executable).parent / "ferry")
+
+
+@contextmanager
+def ferry_up(flags: list[str], threads: int = 1) -> Iterator[tuple[grpc.Channel, int]]:
+    """`ferry up` with these flags on its own gRPC port, once it says it is ready: (a channel to its router, its
+    pid); SIGTERM at the end."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "FERRY_LOG_LEVEL": "WARNING"}
+    up = subprocess.Popen([FERRY, "up", "--port", str(port), *flags], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in up.stdout:
+        lines.append(line)
+        if line.startswith("[ferry] ready"):
+            break
+    else:
+        raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
+    threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()   # keep its pipe drained
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield channel, up.pid
+    finally:
+        channel.close()
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
 
 
 def greedy(max_tokens: int, **kwargs) -> common_pb2.SamplingParams:

@@ -208,25 +208,31 @@ class ClusterSim:
 
     def place(self, request: SimRequest, ranked: Sequence[SchedulerInfo], pulls: dict[str, KvPull]) -> None:
         """Into the first of ranked whose queue takes it (pulling first where pulls names it), or rejected."""
-        router = self.routers[request.router]
+        node = self.first_taker(ranked, len(request.prompt))
+        if node is None:
+            request.rejected = True
+            self.outstanding -= 1
+            self.send_next()
+            return
+        request.scheduler_id = node.scheduler_id
+        self.routers[request.router].pending[node.scheduler_id] += 1
+        node.slot_waits += bool(request.adapter) and node.slots_taken(request.adapter)
+        pull = pulls.get(node.scheduler_id)
+        if pull is None:
+            self.admit(node, request)
+        else:
+            self.start_pull(node, request, self.nodes[pull.holder.scheduler_id], pull.num_blocks)
+
+    def first_taker(self, ranked: Sequence[SchedulerInfo], prompt_tokens: int) -> SimNode | None:
+        """The first of ranked whose queue takes a prompt of this many tokens (the schedulers' admission limits)."""
         for info in ranked:
             node = self.nodes[info.scheduler_id]
             try:
-                self.limits.check(node.scheduler, len(request.prompt))
+                self.limits.check(node.scheduler, prompt_tokens)
             except QueueFull:
                 continue
-            request.scheduler_id = node.scheduler_id
-            router.pending[node.scheduler_id] += 1
-            node.slot_waits += bool(request.adapter) and node.slots_taken(request.adapter)
-            pull = pulls.get(node.scheduler_id)
-            if pull is None:
-                self.admit(node, request)
-            else:
-                self.start_pull(node, request, self.nodes[pull.holder.scheduler_id], pull.num_blocks)
-            return
-        request.rejected = True
-        self.outstanding -= 1
-        self.send_next()
+            return node
+        return None
 
     def start_pull(self, node: SimNode, request: SimRequest, holder: SimNode, num_blocks: int) -> None:
         """The holder pins what it still holds of the prefix past what the receiver has cached (only missing

@@ -27,7 +27,6 @@ from protos.registration import SchedulerInfo
 from router.disaggregation import PREFILL_SUFFIX, least_loaded, roles
 from router.kv_pull import KvPull
 from router.policy import plan_route
-from scheduler.admission import QueueFull
 
 PREFILL_PICKS = ("heartbeat", "in_flight")
 
@@ -88,19 +87,14 @@ class DisaggregatedSim(ClusterSim):
 
     def take_prefill(self, request: SimRequest, ranked: Sequence[SchedulerInfo]) -> SimNode | None:
         """The prompt as a one-token request on the first prefill scheduler whose queue takes it."""
-        for info in ranked:
-            node = self.nodes[info.scheduler_id]
-            try:
-                self.limits.check(node.scheduler, len(request.prompt))
-            except QueueFull:
-                continue
+        node = self.first_taker(ranked, len(request.prompt))
+        if node is not None:
             self.routers[request.router].pending[node.scheduler_id] += 1
             self.prefill_tokens[node.scheduler_id] += len(request.prompt)
             self.stats.prefills += 1
             self.admit(node, SimRequest(request.request_id + PREFILL_SUFFIX, self.now, request.prompt, 1,
                                         request.adapter))
-            return node
-        return None
+        return node
 
     def on_output(self, request_id: str, num_tokens: int, finished: bool) -> None:
         if request_id.endswith(PREFILL_SUFFIX):

@@ -6,57 +6,31 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from base.cluster_auth import token_metadata
 from ferry import Engine, EngineConfig, SamplingParams
-from ferry.launcher import free_port
 from protos import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import transformers_greedy
-from tests.engine_fixtures import random_prompts
-from tests.services_fixtures import child_pids, greedy
+from tests.engine_fixtures import hf_model, random_prompts
+from tests.services_fixtures import child_pids, ferry_up, greedy
 
-FERRY = str(Path(sys.executable).parent / "ferry")
+__all__ = ["hf_model"]   # the shared fixture
+
 CLUSTER_TOKEN = "pd-test-cluster-token"
 POOL_BYTES = 40 * 8192      # 40 blocks of the tiny Llama: six long requests at once preempt
 
 
 @pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def stack(tiny_llama_dir):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
-    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", "0", "--model", str(tiny_llama_dir),
-                           "--dtype", "float32", "--device", "cpu", "--prefill-schedulers", "1",
-                           "--decode-schedulers", "1", "--kv-cache-memory", str(POOL_BYTES), "--heartbeat-ttl", "2",
-                           "--cluster-token", CLUSTER_TOKEN], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in up.stdout:
-        lines.append(line)
-        if line.startswith("[ferry] ready"):
-            break
-    else:
-        raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()   # keep its pipe drained
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield router_pb2_grpc.RouterStub(channel), up.pid
-    channel.close()
-    up.send_signal(signal.SIGTERM)
-    up.wait(timeout=60)
+    with ferry_up(["--http-port", "0", "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
+                   "--prefill-schedulers", "1", "--decode-schedulers", "1", "--kv-cache-memory", str(POOL_BYTES),
+                   "--heartbeat-ttl", "2", "--cluster-token", CLUSTER_TOKEN]) as (channel, pid):
+        yield router_pb2_grpc.RouterStub(channel), pid
 
 
 def scheduler_stats(up_pid: int) -> dict[str, scheduler_pb2.StatsResponse]:
@@ -80,10 +54,10 @@ def generate(router, prompt: list[int], sampling: common_pb2.SamplingParams) -> 
     return [samples[i] for i in sorted(samples)]
 
 
-def test_prompts_prefilled_on_one_scheduler_decode_on_the_other_as_transformers(stack, model):
+def test_prompts_prefilled_on_one_scheduler_decode_on_the_other_as_transformers(stack, hf_model):
     router, up_pid = stack
     prompts = random_prompts(seed=31, count=6, lengths=range(80, 110))
-    expected = transformers_greedy(model, prompts, 40)
+    expected = transformers_greedy(hf_model, prompts, 40)
     before = scheduler_stats(up_pid)
     assert set(before) == {"prefill", "decode"}
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -108,11 +82,11 @@ def test_seeded_samples_after_the_hand_off_are_those_of_one_scheduler(stack, tin
     assert generate(router, prompt, sampling) == [s.token_ids for s in alone.samples]
 
 
-def test_requests_sent_while_the_prefill_scheduler_is_dead_are_served_by_the_decode_one(stack, model):
+def test_requests_sent_while_the_prefill_scheduler_is_dead_are_served_by_the_decode_one(stack, hf_model):
     router, up_pid = stack
     prefill_pid = next(pid for pid in child_pids(up_pid)
                        if b"--role\0prefill" in Path(f"/proc/{pid}/cmdline").read_bytes())
     prompts = random_prompts(seed=33, count=3, lengths=range(40, 60))
-    expected = transformers_greedy(model, prompts, 12)
+    expected = transformers_greedy(hf_model, prompts, 12)
     os.kill(prefill_pid, signal.SIGKILL)
     assert [generate(router, p, greedy(12, ignore_eos=True))[0] for p in prompts] == expected

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from base.cluster_auth import token_metadata
 from protos import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from protos.block_hash import hash_blocks, root_hash
 from scheduler.kv_transfer import PULL_STALL_S
 from tests.conftest import transformers_greedy
-from tests.engine_fixtures import random_prompts
+from tests.engine_fixtures import hf_model, random_prompts
 from tests.services_fixtures import ConnectStream, greedy, start_services, wait_until
+
+__all__ = ["hf_model"]   # the shared fixture
 
 BLOCK = 16
 MAX_TOKENS = 12
@@ -32,11 +32,6 @@ def stack(tiny_llama_dir):
     services = start_services(tiny_llama_dir, num_schedulers=2, **{"--kv-cache-memory": str(POOL_BLOCKS * 8192)})
     yield services
     services.stop()
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
 def stub(stack, index: int) -> scheduler_pb2_grpc.SchedulerStub:
@@ -67,9 +62,9 @@ def first_output(stream: ConnectStream, request_id: str = "r0") -> scheduler_pb2
     return stream.outputs[request_id][0]
 
 
-def test_a_pulled_prefix_is_served_token_exact_from_the_peers_blocks(stack, model):
+def test_a_pulled_prefix_is_served_token_exact_from_the_peers_blocks(stack, hf_model):
     prompt = random_prompts(seed=21, count=1, lengths=range(100, 101))[0]    # 6 full blocks before its last token
-    expected = transformers_greedy(model, [prompt], MAX_TOKENS)[0]
+    expected = transformers_greedy(hf_model, [prompt], MAX_TOKENS)[0]
     assert serve(stack, 0, [prompt], greedy(MAX_TOKENS, ignore_eos=True)).tokens("r0") == expected
     before, served_before = stats(stack, 1), stats(stack, 0).kv_served_blocks
     pulled = serve(stack, 1, [prompt], greedy(MAX_TOKENS, ignore_eos=True), source(stack, 0, 6))
@@ -92,9 +87,9 @@ def test_two_seeded_samples_after_a_pull_are_those_of_the_holder(stack):
     assert first_output(pulled).num_cached_tokens == 4 * BLOCK
 
 
-def test_pulled_prefixes_under_preemption_give_the_tokens_of_transformers(stack, model):
+def test_pulled_prefixes_under_preemption_give_the_tokens_of_transformers(stack, hf_model):
     prompts = random_prompts(seed=23, count=6, lengths=range(90, 110))
-    expected = transformers_greedy(model, prompts, 40)
+    expected = transformers_greedy(hf_model, prompts, 40)
     assert serve(stack, 0, prompts[:3], greedy(40, ignore_eos=True)).tokens("r0") == expected[0]
     preempted = stats(stack, 1).num_preemptions
     pulled = serve(stack, 1, prompts, greedy(40, ignore_eos=True), source(stack, 0, 5))
@@ -129,9 +124,9 @@ def test_a_peer_on_another_host_gets_the_blocks_in_the_stream(stack, tiny_llama_
     assert sum(len(c.data) for c in chunks) == len(hashes) * 8192 and not any(c.shm_path for c in chunks)
 
 
-def test_a_stalled_peer_leaves_the_prefix_to_recompute(stack, model):
+def test_a_stalled_peer_leaves_the_prefix_to_recompute(stack, hf_model):
     prompt = random_prompts(seed=24, count=1, lengths=range(80, 81))[0]
-    expected = transformers_greedy(model, [prompt], MAX_TOKENS)[0]
+    expected = transformers_greedy(hf_model, [prompt], MAX_TOKENS)[0]
     serve(stack, 0, [prompt], greedy(MAX_TOKENS, ignore_eos=True))
     failures = stats(stack, 1).kv_pull_failures
     holder = stack.schedulers[0].pid
@@ -144,11 +139,11 @@ def test_a_stalled_peer_leaves_the_prefix_to_recompute(stack, model):
     assert stats(stack, 1).kv_pull_failures == failures + 1
 
 
-def test_a_peer_killed_mid_pull_fails_no_request(stack, model):
+def test_a_peer_killed_mid_pull_fails_no_request(stack, hf_model):
     """The holder is stopped once the pull has begun (the request held, waiting for blocks), then killed: the
     request is released at once to recompute, well before the stall timeout."""
     prompts = random_prompts(seed=25, count=3, lengths=range(60, 90))
-    expected = transformers_greedy(model, prompts, MAX_TOKENS)
+    expected = transformers_greedy(hf_model, prompts, MAX_TOKENS)
     serve(stack, 0, prompts, greedy(MAX_TOKENS, ignore_eos=True))
     holder = stack.schedulers[0]
     os.kill(holder.pid, signal.SIGSTOP)

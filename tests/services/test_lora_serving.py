@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,15 +15,14 @@ import grpc
 import httpx
 import pytest
 
-from ferry.launcher import free_port
 from base.cluster_auth import token_metadata
+from ferry.launcher import free_port
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import transformers_greedy
 from tests.engine_fixtures import random_prompts
 from tests.lora_fixtures import build_peft_adapter, merged_model
-from tests.services_fixtures import ConnectStream, child_pids, collect, greedy
+from tests.services_fixtures import ConnectStream, child_pids, collect, ferry_up, greedy
 
-FERRY = str(Path(sys.executable).parent / "ferry")
 API_KEY = "sk-lora-test"
 CLUSTER_TOKEN = "lora-test-cluster-token"
 MAX_TOKENS = 8
@@ -52,28 +49,13 @@ def references(tiny_llama_dir, adapters, prompts) -> dict[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir, adapters):
-    port, http_port = free_port(), free_port()
+    http_port = free_port()
     modules = [f"{name}={adapters[name]}" for name in ("a8", "a16", "a64")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FERRY_LOG_LEVEL": "WARNING"}
-    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", str(http_port), "--heartbeat-ttl", "2",
-                           "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
-                           "--kv-cache-memory", str(1 << 22), "--num-schedulers", "2", "--api-key",
-                           API_KEY, "--cluster-token", CLUSTER_TOKEN, "--enable-lora", "--max-loras", "3",
-                           "--max-lora-rank", "64", "--lora-modules", *modules], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in up.stdout:
-        lines.append(line)
-        if line.startswith("[ferry] ready"):
-            break
-    else:
-        raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()   # keep its pipe drained
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield router_pb2_grpc.RouterStub(channel), f"http://127.0.0.1:{http_port}", up.pid
-    channel.close()
-    up.send_signal(signal.SIGTERM)
-    up.wait(timeout=60)
+    with ferry_up(["--http-port", str(http_port), "--heartbeat-ttl", "2", "--model", str(tiny_llama_dir), "--dtype",
+                   "float32", "--device", "cpu", "--kv-cache-memory", str(1 << 22), "--num-schedulers", "2",
+                   "--api-key", API_KEY, "--cluster-token", CLUSTER_TOKEN, "--enable-lora", "--max-loras", "3",
+                   "--max-lora-rank", "64", "--lora-modules", *modules]) as (channel, pid):
+        yield router_pb2_grpc.RouterStub(channel), f"http://127.0.0.1:{http_port}", pid
 
 
 def stream(router, prompt: list[int], model: str = ""):

@@ -5,57 +5,31 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from base.cluster_auth import token_metadata
-from ferry.launcher import free_port
 from protos import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import transformers_greedy
-from tests.engine_fixtures import random_prompts
-from tests.services_fixtures import child_pids, collect, greedy, wait_until
+from tests.engine_fixtures import hf_model, random_prompts
+from tests.services_fixtures import child_pids, collect, ferry_up, greedy, wait_until
 
-FERRY = str(Path(sys.executable).parent / "ferry")
+__all__ = ["hf_model"]   # the shared fixture
+
 CLUSTER_TOKEN = "tp-test-cluster-token"
 MAX_TOKENS = 24
 RANK_BLOCK_BYTES = 2 * 2 * 1 * 16 * 16 * 4   # tiny Llama: 2 layers, K and V, 1 of 2 KV heads, 16 tokens, 16 dims
 
 
 @pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def stack(tiny_llama_dir):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "FERRY_LOG_LEVEL": "WARNING"}
-    up = subprocess.Popen([FERRY, "up", "--port", str(port), "--http-port", "0", "--model", str(tiny_llama_dir),
-                           "--dtype", "float32", "--device", "cpu", "--num-schedulers", "1",
-                           "--tensor-parallel-size", "2", "--kv-cache-memory", str(12 * RANK_BLOCK_BYTES),
-                           "--cluster-token", CLUSTER_TOKEN], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in up.stdout:
-        lines.append(line)
-        if line.startswith("[ferry] ready"):
-            break
-    else:
-        raise AssertionError("ferry up exited before it was ready:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()   # keep its pipe drained
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield router_pb2_grpc.RouterStub(channel), up.pid
-    channel.close()
-    up.send_signal(signal.SIGTERM)
-    up.wait(timeout=60)
+    with ferry_up(["--http-port", "0", "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
+                   "--num-schedulers", "1", "--tensor-parallel-size", "2", "--kv-cache-memory",
+                   str(12 * RANK_BLOCK_BYTES), "--cluster-token", CLUSTER_TOKEN], threads=2) as (channel, pid):
+        yield router_pb2_grpc.RouterStub(channel), pid
 
 
 def generate(router, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -95,10 +69,10 @@ def processes() -> list[tuple[int, int]]:
     return found
 
 
-def test_concurrent_requests_match_transformers_through_preemptions_and_cache_hits(stack, model):
+def test_concurrent_requests_match_transformers_through_preemptions_and_cache_hits(stack, hf_model):
     router, up_pid = stack
     prompts = random_prompts(seed=5, count=8, lengths=range(20, 48))
-    expected = transformers_greedy(model, prompts, MAX_TOKENS)
+    expected = transformers_greedy(hf_model, prompts, MAX_TOKENS)
     with ThreadPoolExecutor(len(prompts)) as pool:
         assert list(pool.map(lambda p: generate(router, p), prompts)) == expected
     assert scheduler_stats(up_pid).num_preemptions > 0
@@ -108,10 +82,10 @@ def test_concurrent_requests_match_transformers_through_preemptions_and_cache_hi
     assert scheduler_stats(up_pid).prefix_cache_hits > hits
 
 
-def test_a_killed_rank_ends_its_group_and_the_request_goes_on_in_a_new_one(stack, model):
+def test_a_killed_rank_ends_its_group_and_the_request_goes_on_in_a_new_one(stack, hf_model):
     router, up_pid = stack
     prompt, long = random_prompts(seed=9, count=1, lengths=range(12, 13))[0], 160
-    expected = transformers_greedy(model, [prompt], long)[0]
+    expected = transformers_greedy(hf_model, [prompt], long)[0]
     workers, followers = ranks(up_pid)
     assert len(workers) == 1 and len(followers) == 1
     request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
