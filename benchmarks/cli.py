@@ -70,6 +70,8 @@ BENCHMARKS = {
                                                      "real engine on this machine"),
     "hit-rate-bounds": Bench("benchmarks.cluster.hit_rate_bounds", "the best prefix hit rate any policy can reach "
                                                                    "on `tenants` over 2 schedulers"),
+    "long-mix": Bench("benchmarks.cluster.long_mix", "write a workload file where long prefills meet long decodes "
+                                                     "(for `ferry bench cluster --workload-file`)"),
     # gpu: the check a fresh GPU machine runs (scripts/gpu_check.sh), steps from every room
     "gpu-check": Bench("benchmarks.gpu.check", "Ferry on one NVIDIA GPU, every step a process of its own, one JSON "
                                                "summary"),

@@ -3,18 +3,17 @@
 (3,072-6,144 prompt tokens, 32-128 out), the rest chat turns with long answers (128-512 prompt tokens, 256-1,024
 out). No two prompts share a prefix: nothing is cached, every prompt is prefilled in full.
 
-    python -m benchmarks.cluster.long_mix --num-requests 2000 --out long_mix.json
+    ferry bench long-mix --num-requests 2000 --out long_mix.json
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common.bench_request import BenchRequest
+from benchmarks.common.cli_args import bench_parser
 from benchmarks.common.routing_workloads import length_in, token_ids
 
 LONG = ((3072, 6144), (32, 128))       # (prompt tokens, max tokens), inclusive ranges
@@ -31,7 +30,7 @@ def long_mix(num_requests: int, long_fraction: float = 0.25, seed: int = 0) -> l
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("long-mix", __doc__)
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--long-fraction", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=0)
@@ -41,7 +40,3 @@ def main(argv: list[str]) -> int:
     args.out.write_text(json.dumps([{"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
                                     for r in requests]))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
