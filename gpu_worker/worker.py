@@ -202,7 +202,7 @@ class Worker:
         if shape.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has {shape.vocab_size} tokens, the "
                              f"target's {target.vocab_size}: they must share one tokenizer")
-        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, None, None, shape)
+        model = self.load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, None)
         if model.attention_windows or model.attention_softcap:
             raise ValueError("speculative_config.model: a draft model must attend to its whole context (no sliding "
                              "window, no softcapped scores)")
@@ -211,7 +211,7 @@ class Worker:
 
     @staticmethod
     def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, gguf_file: Path | None,
-                   tp: TensorParallel | None, whole_shape) -> torch.nn.Module:
+                   tp: TensorParallel | None = None, whole_shape=None) -> torch.nn.Module:
         """The model of `shape` (a rank's shard of whole_shape under tensor parallelism) with its weights.
         model.weight_bytes: its parameters' bytes as loaded, before any packing for the CPU."""
         with torch.device("meta"):
@@ -220,7 +220,7 @@ class Worker:
                 shard_model(model, tp)
         model = model.to(dtype).to_empty(device=device)   # allocated once, in the dtype it computes in
         checkpoint = Checkpoint(model_dir)
-        load_weights(model, ShardedCheckpoint(checkpoint, whole_shape, tp) if tp else checkpoint)
+        load_weights(model, ShardedCheckpoint(checkpoint, whole_shape or shape, tp) if tp else checkpoint)
         model.eval()
         model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if cpu_linear.available(dtype, device):
