@@ -24,19 +24,13 @@ class PinnedBlocks:
     block_hashes: list[int]
 
     def release(self) -> None:
-        for block_id in self.block_ids:
-            self.holder.release_block(block_id)
+        self.holder.unpin(self.block_ids)
 
 
 def pin_leading(holder: BlockManager, block_hashes: list[int]) -> PinnedBlocks:
     """Pin the leading blocks of block_hashes the holder still caches (a chain stops at its first miss)."""
-    ids = []
-    for block_hash in block_hashes:
-        block_id = holder.cached.get(block_hash)
-        if block_id is None:
-            break
-        holder.take(block_id)
-        ids.append(block_id)
+    ids = holder.cached_run(block_hashes)
+    holder.pin(ids)
     return PinnedBlocks(holder, ids, block_hashes[:len(ids)])
 
 
