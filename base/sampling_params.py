@@ -1,24 +1,23 @@
 """Sampling parameters: one resolved, validated form shared by router, scheduler and worker.
 
-The dataclass below is the one declaration of the sampling fields: their names, types and defaults. The wire's
-message (protos/common.proto's SamplingParams) carries the same fields, one for one, and the conversion both ways
-(from_proto, to_proto), the HTTP APIs' fields (router/http/schema.py) and the finite-number check are derived from
-it. Adding a field is a line here, its line in the message, its check in validate() and the code that honours it.
+The one declaration of the sampling fields is the wire's message, protos/common.proto's SamplingParams: each field's
+name and type, the value an unset field means and the range it accepts (the options of protos/field_rules.proto).
+The dataclass SamplingParams is made from it, and so are the conversion both ways (from_proto, to_proto), the HTTP
+APIs' fields (router/http/schema.py) and the range and finite-number checks. Adding a field is its line in the
+message and the code that honours it (with a check in validate() where a range cannot say what it accepts).
 """
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import MutableMapping, MutableSequence
-from dataclasses import InitVar, dataclass, field, fields
-from typing import get_args, get_type_hints
+from dataclasses import InitVar, dataclass, field, fields, make_dataclass
+from typing import Any
 
-from google.protobuf.message import Message
+from google.protobuf.descriptor import FieldDescriptor
 
 from base.structured_output import StructuredOutput
-from protos import common_pb2
+from protos import common_pb2, field_rules_pb2
 
-MAX_TOP_LOGPROBS = 20
-MAX_SAMPLES = 16             # n: parallel samples of one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256  # a stop string is held back from the stream while it may still be starting
 MAX_STOP_TOKEN_IDS = 256
@@ -27,30 +26,50 @@ MAX_LOGIT_BIAS = 100.0   # OpenAI's bound
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 
+WIRE = common_pb2.SamplingParams.DESCRIPTOR
+SCALAR_TYPES = {FieldDescriptor.TYPE_UINT32: int, FieldDescriptor.TYPE_INT32: int, FieldDescriptor.TYPE_UINT64: int,
+                FieldDescriptor.TYPE_INT64: int, FieldDescriptor.TYPE_FLOAT: float,
+                FieldDescriptor.TYPE_DOUBLE: float, FieldDescriptor.TYPE_BOOL: bool, FieldDescriptor.TYPE_STRING: str}
+MESSAGE_CLASSES = {"ferry.StructuredOutput": StructuredOutput}   # message fields: the dataclass that converts each
+
 
 @dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    n: int = 1
-    include_stop_str_in_output: bool = False
-    structured_output: StructuredOutput | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)   # token id -> added to its logit
-    min_tokens: int = 0                 # EOS and stop_token_ids are masked until this many tokens are out
-    bad_words: tuple[str, ...] = ()     # no token sequence spelling one of these is sampled (vLLM's bad_words)
-    prompt_logprobs: int | None = None  # k: each prompt token's logprob and the top k (the first token has none)
-    trusted: InitVar[bool] = False      # its values were validated where the request arrived: not checked again
+class Range:
+    """The values a field accepts, from its minimum, exclusive_minimum and maximum options."""
+    minimum: float | None = None
+    exclusive_minimum: float | None = None
+    maximum: float | None = None
+
+    @classmethod
+    def of(cls, wire_field: FieldDescriptor) -> Range:
+        options = wire_field.GetOptions()
+        bounds = {rule.name: options.Extensions[rule] for rule in RANGE_RULES if options.HasExtension(rule)}
+        return cls(**bounds)
+
+    def check(self, name: str, value: float | None) -> None:
+        """Raise ValueError naming the field if a value (None: unset) lies outside."""
+        if value is None:
+            return
+        low_ok = ((self.minimum is None or value >= self.minimum)
+                  and (self.exclusive_minimum is None or value > self.exclusive_minimum))
+        if not (low_ok and (self.maximum is None or value <= self.maximum)):
+            raise ValueError(f"{name} must be {self.described()}, got {value}")
+
+    def described(self) -> str:
+        low = (f"[{self.minimum:g}" if self.minimum is not None
+               else f"({self.exclusive_minimum:g}" if self.exclusive_minimum is not None else None)
+        if low is not None and self.maximum is not None:
+            return f"in {low}, {self.maximum:g}]"
+        if low is not None:
+            return f"at least {self.minimum:g}" if self.minimum is not None else f"above {self.exclusive_minimum:g}"
+        return f"at most {self.maximum:g}"
+
+
+RANGE_RULES = (field_rules_pb2.minimum, field_rules_pb2.exclusive_minimum, field_rules_pb2.maximum)
+
+
+class SamplingRules:
+    """What SamplingParams does beyond holding its fields: its checks, and its conversion to and from the wire."""
 
     def __post_init__(self, trusted: bool) -> None:
         if not trusted:
@@ -65,32 +84,14 @@ class SamplingParams:
         for name in FLOAT_FIELDS:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, accepted in RANGES.items():
+            accepted.check(name, getattr(self, name))
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
-        if not 1 <= self.n <= MAX_SAMPLES:
-            raise ValueError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
         self.validate_stops()
         self.validate_logit_bias()
         self.validate_bad_words()
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     def validate_logit_bias(self) -> None:
@@ -130,7 +131,8 @@ class SamplingParams:
             elif kind == "map":
                 kwargs[name] = dict(getattr(msg, name))
             elif kind == "message":
-                kwargs[name] = MESSAGE_TYPES[name].from_proto(getattr(msg, name))
+                if msg.HasField(name):
+                    kwargs[name] = MESSAGE_TYPES[name].from_proto(getattr(msg, name))
             else:
                 kwargs[name] = getattr(msg, name)
         return cls(**kwargs, trusted=trusted)
@@ -152,29 +154,52 @@ class SamplingParams:
         return msg
 
 
-def wire_kind(name: str) -> str:
-    """How the message holds a field: optional (unset: the dataclass's default), plain, repeated, map or message."""
-    if name not in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
-        raise TypeError(f"SamplingParams.{name} has no field in protos/common.proto's SamplingParams")
-    value = getattr(common_pb2.SamplingParams(), name)
-    if isinstance(value, MutableMapping):
+def wire_kind(wire_field: FieldDescriptor) -> str:
+    """How the message holds a field: optional (unset: its default), plain, repeated, map or message."""
+    if wire_field.message_type is not None and wire_field.message_type.GetOptions().map_entry:
         return "map"
-    if isinstance(value, MutableSequence):
+    if wire_field.is_repeated:
         return "repeated"
-    if isinstance(value, Message):
+    if wire_field.message_type is not None:
         return "message"
-    return "optional" if common_pb2.SamplingParams.DESCRIPTOR.fields_by_name[name].has_presence else "plain"
+    return "optional" if wire_field.has_presence else "plain"
 
 
-def message_class(name: str) -> type:
-    """A message field's dataclass, which converts itself (from_proto, to_proto): its annotation's class."""
-    return next(t for t in get_args(get_type_hints(SamplingParams)[name]) if t is not type(None))
+def dataclass_field(wire_field: FieldDescriptor) -> tuple[str, Any, Any]:
+    """A wire field as the dataclass holds it: its name, its Python type and its default."""
+    name, kind = wire_field.name, wire_kind(wire_field)
+    if kind == "map":
+        key, value = (SCALAR_TYPES[entry.type] for entry in wire_field.message_type.fields)
+        return name, dict[key, value], field(default_factory=dict, hash=False)
+    if kind == "message":
+        return name, MESSAGE_CLASSES[wire_field.message_type.full_name] | None, None
+    scalar = SCALAR_TYPES[wire_field.type]
+    if kind == "repeated":
+        return name, tuple[scalar, ...], ()
+    options = wire_field.GetOptions()
+    if options.HasExtension(field_rules_pb2.default_value):
+        return name, scalar, scalar(json.loads(options.Extensions[field_rules_pb2.default_value]))
+    return (name, scalar | None, None) if kind == "optional" else (name, scalar, scalar())
 
 
+def make_sampling_params() -> type:
+    made = make_dataclass("SamplingParams", [*map(dataclass_field, WIRE.fields), ("trusted", InitVar[bool], False)],
+                          bases=(SamplingRules,), frozen=True)
+    made.__module__ = __name__
+    made.__doc__ = ("The sampling fields of protos/common.proto's SamplingParams, resolved: unset ones hold their "
+                    "declared defaults. `trusted`: its values were validated where the request arrived, not again.")
+    return made
+
+
+SamplingParams = make_sampling_params()
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
-WIRE_KINDS = {name: wire_kind(name) for name in SAMPLING_FIELDS}
-MESSAGE_TYPES = {name: message_class(name) for name, kind in WIRE_KINDS.items() if kind == "message"}
-FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type == "float")
+WIRE_KINDS = {f.name: wire_kind(f) for f in WIRE.fields}
+MESSAGE_TYPES = {f.name: MESSAGE_CLASSES[f.message_type.full_name] for f in WIRE.fields
+                 if WIRE_KINDS[f.name] == "message"}
+FLOAT_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.type is float)
+RANGES = {f.name: Range.of(f) for f in WIRE.fields if Range.of(f) != Range()}
+MAX_SAMPLES = int(RANGES["n"].maximum)           # n: parallel samples of one request
+MAX_TOP_LOGPROBS = int(RANGES["logprobs"].maximum)
 
 
 def check_logit_bias(logit_bias: dict[int, float]) -> None:

@@ -1,6 +1,6 @@
-"""The sampling fields are declared once (base.sampling_params.SamplingParams): the wire message carries the same
-fields, and the proto conversion and the HTTP APIs' fields follow the declaration, so a field is named only where
-it is declared, carried and honoured."""
+"""The sampling fields are declared once, in protos/common.proto's SamplingParams (names, types, defaults, ranges):
+the dataclass, the proto conversion, the range checks and the HTTP APIs' fields follow the declaration, so a field is
+named only where it is declared and where it is honoured."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +11,14 @@ from typing import get_args, get_origin, get_type_hints
 
 import pytest
 
-from base.sampling_params import SAMPLING_FIELDS, SamplingParams, wire_kind
+from base.sampling_params import RANGES, SAMPLING_FIELDS, SamplingParams
 from base.structured_output import StructuredOutput
-from protos import common_pb2
+from protos import common_pb2, field_rules_pb2
 from router.http.schema import OWN_FIELDS, PLAIN_FIELDS, ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVING = ["base", "protos", "router", "scheduler", "gpu_worker"]   # not its users (ferry's CLI, benchmarks, tests)
-DECLARED = {"base/sampling_params.py", "protos/common.proto"}
+DECLARED = {"protos/common.proto"}
 # Each field with a name no other code uses, and the files that honour it (what adding one such field touches)
 PLACES = {
     "top_p": {"gpu_worker/sampling/sampler.py", "gpu_worker/cuda/device_memory.py"},
@@ -26,13 +26,14 @@ PLACES = {
     "presence_penalty": {"gpu_worker/sampling/sampler.py"},
     "frequency_penalty": {"gpu_worker/sampling/sampler.py"},
     "repetition_penalty": {"gpu_worker/sampling/sampler.py"},
-    "stop_token_ids": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/grammar_masks.py",
+    "stop_token_ids": {"base/sampling_params.py",                 # its count check
+                       "gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/grammar_masks.py",
                        "scheduler/grammar_compilation.py",    # there: xgrammar's argument, the model's stop tokens
                        "scheduler/grammar_drafts.py"},        # and the model's, which end a grammar's proposals
     "ignore_eos": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py"},
     "include_stop_str_in_output": {"router/core.py"},
-    "bad_words": {"scheduler/bad_words.py", "scheduler/core.py", "scheduler/grammar_compilation.py",
-                  "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
+    "bad_words": {"base/sampling_params.py", "scheduler/bad_words.py", "scheduler/core.py",
+                  "scheduler/grammar_compilation.py", "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
 }
 CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
               dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}
@@ -62,13 +63,32 @@ def changed_value(name: str):
     raise AssertionError(f"no candidate value fits {name}")
 
 
-def test_the_wire_message_carries_exactly_the_declared_fields():
-    assert set(SAMPLING_FIELDS) == set(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+def test_the_dataclass_holds_exactly_the_wire_messages_fields_in_its_order():
+    assert SAMPLING_FIELDS == tuple(f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields)
 
 
-def test_a_field_the_wire_message_lacks_is_refused_where_it_is_declared():
-    with pytest.raises(TypeError, match="protos/common.proto"):
-        wire_kind("typical_p")
+@pytest.mark.parametrize("name, default", [("max_tokens", 16), ("temperature", 1.0), ("top_k", -1), ("n", 1),
+                                           ("seed", None), ("logprobs", None), ("ignore_eos", False), ("stop", ()),
+                                           ("logit_bias", {}), ("structured_output", None)])
+def test_an_unset_field_means_the_default_its_wire_field_declares(name, default):
+    value = getattr(SamplingParams(), name)
+    assert value == default and type(value) is type(default)
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"), ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("n", 17, r"n must be in \[1, 16\]"), ("max_tokens", 0, "max_tokens must be at least 1"),
+    ("temperature", -0.5, "temperature must be at least 0"), ("repetition_penalty", 0.0, "must be above 0"),
+    ("presence_penalty", 2.5, r"presence_penalty must be in \[-2, 2\]"), ("prompt_logprobs", 21, "prompt_logprobs")])
+def test_a_value_outside_its_declared_range_is_refused_naming_the_field_and_range(name, bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{name: bad})
+
+
+def test_the_range_checked_is_the_wire_fields_own():
+    options = common_pb2.SamplingParams.DESCRIPTOR.fields_by_name["n"].GetOptions()
+    assert RANGES["n"].maximum == options.Extensions[field_rules_pb2.maximum] == 16
+    assert SamplingParams(n=16).n == 16
 
 
 @pytest.mark.parametrize("name", SAMPLING_FIELDS)
