@@ -1,6 +1,9 @@
-"""`ferry bench serve`: online load against a running router (gRPC or the OpenAI HTTP API): requests sent at
-Poisson arrivals (or all at once), every token streamed back and timed on arrival; reports output tok/s, requests
-completed and failed, and TTFT, TPOT and end-to-end latency percentiles per request rate."""
+"""`ferry bench serve`: online load against a running server, Ferry's router (gRPC or its OpenAI HTTP API) or any
+OpenAI-compatible one (vLLM's, SGLang's): requests sent at Poisson arrivals or all at once, at most
+--max-concurrency in flight (guidellm's concurrent streams), every chunk streamed back and timed on arrival; reports
+output tok/s (counted by the server's usage where it sends one), requests completed and failed, and TTFT, ITL, TPOT
+and end-to-end latency mean, p50, p90 and p99 per request rate. `--synthetic 128:32` sends guidellm's synthetic shape
+(random prompts of 128 tokens, 32 tokens out), the same token ids to every server."""
 from __future__ import annotations
 
 import asyncio
@@ -48,21 +51,35 @@ async def grpc_request(stub, request: BenchRequest, timing: RequestTiming) -> No
             timing.output_tokens += len(response.token_ids)
 
 
-async def http_request(client, request: BenchRequest, timing: RequestTiming) -> None:
-    body = {"model": "", "prompt": request.prompt_token_ids, "max_tokens": request.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+async def http_request(client, request: BenchRequest, timing: RequestTiming, served_model: str = "") -> None:
+    """One streamed completion; a chunk of text counts one token unless the server's usage says how many came."""
+    body = {"model": served_model, "prompt": request.prompt_token_ids, "max_tokens": request.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                usage = chunk.get("usage") or usage
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
                     timing.token_times.append(time.perf_counter())
                     timing.output_tokens += 1
+    if usage and usage.get("completion_tokens"):
+        timing.output_tokens = usage["completion_tokens"]
+
+
+def synthetic_requests(shape: str, num_prompts: int, vocab: int = 40000, seed: int = 0) -> list[BenchRequest]:
+    """guidellm's synthetic data, "PROMPT:OUTPUT" tokens: random ids below `vocab` (the same for every server given
+    one seed)."""
+    prompt_tokens, output_tokens = (int(part) for part in shape.split(":"))
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(vocab // 40, vocab) for _ in range(prompt_tokens)], output_tokens)
+            for _ in range(num_prompts)]
 
 
 async def run_load(requests: list[BenchRequest], target: str, request_rate: float, max_concurrency: int,
-                   backend: str = "grpc", seed: int = 0) -> dict:
+                   backend: str = "grpc", seed: int = 0, served_model: str = "") -> dict:
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency)
     timings: list[RequestTiming] = []
@@ -85,7 +102,7 @@ async def run_load(requests: list[BenchRequest], target: str, request_rate: floa
                 if stub:
                     await grpc_request(stub, request, timing)
                 else:
-                    await http_request(client, request, timing)
+                    await http_request(client, request, timing, served_model)
             except Exception as error:  # noqa: BLE001 - a failed request is a result here
                 timing.error = f"{type(error).__name__}: {error}"
             finally:
@@ -128,6 +145,13 @@ def summarize(timings: list[RequestTiming], duration: float, peak: int) -> dict:
     }
 
 
+def summary_line(result: dict) -> str:
+    ms = lambda key, q: 1000 * result[key].get(q, float("nan"))  # noqa: E731
+    return (f"{result['output_tokens_per_s']:.1f} output tok/s, {result['failed']} failed; TTFT p50 "
+            f"{ms('ttft_s', 'p50'):.0f} / p90 {ms('ttft_s', 'p90'):.0f} ms, ITL p50 {ms('itl_s', 'p50'):.1f} / p90 "
+            f"{ms('itl_s', 'p90'):.1f} ms")
+
+
 def main(argv: list[str]) -> int:
     parser = bench_parser("serve", __doc__)
     add_workload_args(parser)
@@ -136,16 +160,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--request-rate", default="inf", help="req/s, comma list for a sweep; inf = all at once")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=256)
+    parser.add_argument("--synthetic", metavar="PROMPT:OUTPUT",
+                        help="random prompts of PROMPT tokens asking OUTPUT tokens each, instead of --workload")
+    parser.add_argument("--synthetic-vocab", type=int, default=40000, help="the synthetic prompts' ids lie below")
+    parser.add_argument("--served-model", default="", help="the request's `model` (another server's model name)")
     parser.add_argument("--plot-dir", type=Path)
     args = parser.parse_args(argv)
-    requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
-    requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
+    if args.synthetic:
+        requests = synthetic_requests(args.synthetic, args.num_prompts, args.synthetic_vocab)
+    else:
+        requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
+        requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
     rates = [float(r) for r in args.request_rate.split(",")]
     runs = []
     for rate in rates:
-        result = asyncio.run(run_load(requests, args.target, rate, args.max_concurrency, args.backend))
-        print(f"[bench] rate {rate}: {result['output_tokens_per_s']:.1f} output tok/s, "
-              f"{result['failed']} failed", file=sys.stderr)
+        result = asyncio.run(run_load(requests, args.target, rate, args.max_concurrency, args.backend,
+                                      served_model=args.served_model))
+        print(f"[bench] rate {rate}: {summary_line(result)}", file=sys.stderr)
         runs.append((rate, result))
     if args.plot_dir:
         from benchmarks.common.plots import throughput_vs_rate, ttft_distribution

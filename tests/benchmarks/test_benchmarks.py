@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.cli import BENCHMARKS
 from benchmarks.services import grpc_stream_cost
+from ferry.launcher import free_port
+from tests.services_fixtures import ferry_up
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,6 +100,19 @@ def test_prefix_bench_reads_hit_counters_from_a_served_stack(tiny_llama_dir, tmp
     assert run["serve"]["completed"] == 4 and run["serve"]["output_tokens_per_s"] > 0
     assert run["prefix_cache_queries"] == 4 * 66
     assert 0 <= run["prefix_cache_hits"] <= 3 * 64 and run["hit_rate"] == run["prefix_cache_hits"] / (4 * 66)
+
+
+def test_serve_bench_drives_an_openai_server_with_guidellms_synthetic_shape(tiny_llama_dir):
+    """The served benchmark against the OpenAI API of a running stack, as it would against another engine's."""
+    http_port = free_port()
+    with ferry_up(["--model", str(tiny_llama_dir), "--dtype", "float32", "--http-port", str(http_port)]):
+        result = run_bench("serve", "--backend", "openai", "--target", f"http://127.0.0.1:{http_port}",
+                           "--synthetic", "24:5", "--synthetic-vocab", "200", "--num-prompts", "6",
+                           "--max-concurrency", "3", "--served-model", tiny_llama_dir.name)
+    [run] = result["runs"]
+    assert run["completed"] == 6 and run["failed"] == 0 and run["peak_concurrency"] == 3
+    assert run["output_tokens_per_s"] * run["duration_s"] == pytest.approx(6 * 5)
+    assert run["ttft_s"]["p90"] >= run["ttft_s"]["p50"] > 0 and run["itl_s"]["p50"] > 0
 
 
 def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, tmp_path):
