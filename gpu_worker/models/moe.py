@@ -2,6 +2,7 @@
 tokens are grouped by expert so that every expert runs once, on all its tokens, per step."""
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ class SparseMoe(nn.Module):
         weights, experts = self.route(hidden)
         if self.cpu_kernel is not None:
             per_slot = self.run_grouped(hidden, weights, experts, ops)
+        elif not self.packed_experts and grouped_mm_works(hidden.device, hidden.dtype, self.experts_down.shape):
+            per_slot = self.run_grouped_mm(hidden, weights, experts, ops)
         else:
             per_slot = self.run_per_expert(hidden, weights, experts, ops)
         out = per_slot[:, 0] + per_slot[:, 1] if self.top_k > 1 else per_slot[:, 0].clone()
@@ -84,12 +87,31 @@ class SparseMoe(nn.Module):
         out = self.cpu_kernel.grouped_linear(activated, counts, down, scale=scale, destination=destination)
         return out.view(-1, self.top_k, hidden.shape[-1])
 
+    def run_grouped_mm(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                       ops) -> torch.Tensor:
+        """As run_per_expert in two grouped GEMMs (torch._grouped_mm) whose group ends stay a device tensor: the
+        step never waits for the routing to reach the host (on a GPU, one launch for all experts, no sync)."""
+        experts, weights, order = self.grouped_by_expert(experts, weights)
+        flat = experts.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+        ends = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+        grouped = hidden[order // self.top_k]
+        activated = ops.silu_mul(torch._grouped_mm(grouped, self.experts_gate_up.transpose(1, 2), offs=ends))
+        out = torch._grouped_mm(activated, self.experts_down.transpose(1, 2), offs=ends)
+        out = out * weights.flatten()[order, None]
+        return out[order.argsort()].to(hidden.dtype).view(-1, self.top_k, hidden.shape[-1])
+
+    def grouped_by_expert(self, experts: torch.Tensor, weights: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's experts in ascending order with their weights, and the (token, slot) pairs' order grouped
+        by expert."""
+        experts, slot_order = experts.sort(dim=-1)
+        return experts, weights.gather(-1, slot_order), experts.flatten().argsort(stable=True)
+
     def run_per_expert(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                        ops) -> torch.Tensor:
         """As run_grouped, in torch ops: one pair of linears per expert that has tokens."""
-        experts, slot_order = experts.sort(dim=-1)
-        weights = weights.gather(-1, slot_order)
-        order = experts.flatten().argsort(stable=True)        # (token, slot) pairs grouped by expert
+        experts, weights, order = self.grouped_by_expert(experts, weights)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts).tolist()
         ranges = [(expert, start, start + count) for expert, (start, count)
                   in enumerate(zip(itertools.accumulate([0] + counts), counts)) if count]
@@ -105,6 +127,21 @@ class SparseMoe(nn.Module):
         if self.packed_experts:
             return cpu_linear.packed_linear(x, self.packed_experts[expert][which])
         return F.linear(x, (self.experts_gate_up, self.experts_down)[which][expert])
+
+
+@functools.cache
+def grouped_mm_works(device: torch.device, dtype: torch.dtype, down_shape: torch.Size) -> bool:
+    """Whether torch._grouped_mm takes these experts' shapes in this dtype on this device (its kernels want 16-byte
+    aligned rows, and some builds lack a dtype): tried once on small tensors of the same widths."""
+    _, hidden, inner = down_shape
+    try:
+        x = torch.zeros(2, hidden, dtype=dtype, device=device)
+        w = torch.zeros(1, inner, hidden, dtype=dtype, device=device).transpose(1, 2)
+        ends = torch.full((1,), 2, dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w, offs=ends)
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -127,7 +164,7 @@ class ExpertNames:
 class MoeForCausalLM(LlamaForCausalLM):
     """The Llama layers with a SparseMoe for the MLP of its sparse layers; a family names its expert tensors."""
     expert_names: ExpertNames
-    capturable = False   # the routing counts each expert's tokens on the host: no CUDA graph holds that
+    capturable = False   # the per-expert fallback counts tokens on the host; the grouped path never ran in a graph
 
     def make_mlp(self, shape: MoeShape, layer_index: int) -> nn.Module:
         if shape.sparse_layers[layer_index]:
