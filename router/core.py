@@ -23,8 +23,7 @@ from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
-from router.disaggregation import least_loaded as least_loaded_prefill
-from router.disaggregation import prefill, roles
+from router.disaggregation import prefill, rank_prefill, roles
 from router.discovery import SchedulerDirectory
 from router.kv_pull import KvPull
 from router.limits import KeyLease, KeyLimiter, OverLimit
@@ -79,6 +78,7 @@ class Router:
     directory: SchedulerDirectory
     policy: RoutingPolicy = least_loaded
     pending: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    prefilling: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # prompt tokens, by scheduler id
     telemetry: RouterTelemetry = field(default_factory=RouterTelemetry)
     max_concurrent_requests: int = 4096
     in_flight: int = 0
@@ -179,7 +179,7 @@ class Router:
         observed.routed(request_id, policy_name(self.policy), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         if disaggregated:
-            prefill_targets = least_loaded_prefill(with_adapter(disaggregated[0], adapter), self.pending)
+            prefill_targets = rank_prefill(disaggregated[0], routing, self.prefilling)
             return self.prefilled(prefill_targets, plan.targets, upstream, new_state, observed, hold)
         return self.proxy(plan.targets, upstream, new_state, observed, hold, routed.pulls)
 
@@ -188,14 +188,17 @@ class Router:
                         observed: RequestObservation, hold: bool) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Disaggregated prefill and decode (router/disaggregation.py): the prompt on a prefill scheduler, then the
         request on a decode scheduler that pulls its KV from there."""
+        num_prompt = len(upstream.prompt_token_ids)
         for target in prefill_targets[:1]:
             self.pending[target.scheduler_id] += 1
+            self.prefilling[target.scheduler_id] += num_prompt
         try:
             source = await prefill(prefill_targets, upstream, targets[0].block_size or 16, self.connection,
                                    dict(observed.metadata))
         finally:
             for target in prefill_targets[:1]:
                 self.pending[target.scheduler_id] -= 1
+                self.prefilling[target.scheduler_id] -= num_prompt
         if source is not None:
             upstream.kv_source.CopyFrom(source)
         async for response in self.proxy(targets, upstream, new_state, observed, hold):

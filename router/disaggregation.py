@@ -4,8 +4,9 @@ computed on a prefill scheduler, then the request runs on a decode scheduler tha
 the prefill runs the request with one greedy token out, which nobody sees, and leaves the prompt's blocks in its
 prefix cache; the decode scheduler gets the request as it came, with the holder named. Its output is what one
 scheduler would have produced (the pulled blocks are exactly the ones it would have computed). Both are chosen
-by load: the prefill scheduler with the least work queued, the decode one by the routing policy among those that
-decode. A prefill that fails leaves the decode scheduler to compute the prompt itself: no request fails for it."""
+by load: the prefill scheduler by the cache-aware policy's weighing of queue against cached prefix (rank_prefill),
+the decode one by the routing policy among those that decode. A prefill that fails leaves the decode scheduler to
+compute the prompt itself: no request fails for it."""
 from __future__ import annotations
 
 import logging
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from protos import common_pb2, scheduler_pb2
 from protos.registration import SchedulerInfo
+from router.policy import HOLDER_MARGIN, RoutingInput, plan_by_work
 from router.upstream import SchedulerConnection, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -27,10 +29,19 @@ def roles(candidates: Sequence[SchedulerInfo]) -> tuple[list[SchedulerInfo], lis
     return (prefill, decode) if prefill and decode else None
 
 
-def least_loaded(schedulers: Sequence[SchedulerInfo], pending: dict[str, int]) -> list[SchedulerInfo]:
-    """Fewest prompt tokens queued first (what a prefill scheduler spends its time on), then fewest requests this
-    router has sent there."""
-    return sorted(schedulers, key=lambda s: (s.waiting_tokens, pending.get(s.scheduler_id, 0)))
+def rank_prefill(schedulers: Sequence[SchedulerInfo], request: RoutingInput, in_flight_tokens: dict[str, int]
+                 ) -> list[SchedulerInfo]:
+    """Least expected work first, weighed as the cache-aware policy weighs it (policy.plan_by_work): a scheduler's
+    queue plus the prompt tokens it lacks, and one that holds less of the prompt than its deepest holder pays
+    HOLDER_MARGIN of the difference, so a prefix stays where it is cached unless the queues say otherwise.
+
+    A queue is the larger of its heartbeat's and the prompt tokens this router has in flight there
+    (`in_flight_tokens`): both count the same prompts once a heartbeat has seen them. A plain function of its
+    inputs: the routing policy, which keeps state per request id, is asked once a request, for its decode pick."""
+    matched = request.matched_blocks if request.prefix_index_live else {}
+    beyond_heartbeat = {s.scheduler_id: max(0, in_flight_tokens.get(s.scheduler_id, 0) - s.waiting_tokens)
+                        for s in schedulers}
+    return plan_by_work(schedulers, request, matched, beyond_heartbeat, holder_margin=HOLDER_MARGIN).ranked
 
 
 def prefill_request(upstream: scheduler_pb2.ScheduleRequest) -> scheduler_pb2.ScheduleRequest:

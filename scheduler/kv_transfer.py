@@ -6,20 +6,21 @@ hashes that it has cached, reads them from its worker in chunks of whole blocks,
 The puller (KvPulls) holds the request out of the queue while it pulls: for each chunk it reserves free blocks,
 has its worker write the KV into them, and adopts them into its prefix cache as if computed here; then the request
 joins the queue, and its admission finds the pulled blocks like any cache hit. Where the two share a host (the
-holder sees a file the puller made in /dev/shm), a chunk goes as a shared-memory file the holder's worker writes
-and the puller's worker reads and removes, not through the three gRPC hops. Any failure (the peer gone, stalled
-PULL_STALL_S, refusing; the pool full; the worker restarting) ends the pull where it is: what arrived is kept, the
-rest is recomputed, and no request fails. The step loop never waits for a pull, nor the pull for a step: the
-workers read and write the blocks beside their steps (gpu_worker/process.py: why that is safe)."""
+holder sees the probe file the puller made in /dev/shm for this pull), a chunk goes as a shared-memory file the
+holder's worker writes and the puller's worker reads and removes, not through the three gRPC hops. Any failure (the
+peer gone, stalled PULL_STALL_S, refusing; the pool full; the worker restarting) ends the pull where it is: what
+arrived is kept, the rest is recomputed, and no request fails. The step loop never waits for a pull, nor the pull for
+a step: the workers read and write the blocks beside their steps (gpu_worker/process.py: why that is safe)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -38,7 +39,8 @@ MIN_PULL_BLOCKS = 1
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ferry-kv-"
-STALE_SHM_S = 120.0       # a chunk file nobody read by then (its puller died) is removed by the holder
+PROBE_PREFIX = "ferry-probe-"
+STALE_SHM_S = 120.0       # a chunk or probe file this old lost its owner (a puller died or gave up): removed
 
 
 def kv_layout(model: worker_pb2.ModelInfo, hash_root: int) -> scheduler_pb2.KvLayout:
@@ -91,7 +93,7 @@ class KvServer:
         block_ids = manager.cached_run(list(request.block_hashes))
         shared = shares_memory(request.shm_probe)
         if shared:
-            remove_stale_chunks()
+            remove_stale_files()
         manager.pin(block_ids)
         try:
             per_chunk = max(1, CHUNK_BYTES // block_bytes(mine))
@@ -122,7 +124,7 @@ class KvPulls:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.counters = counters or KvTransferCounters()
-        self.probe = make_probe()   # a file in this host's shared memory that a holder on the same host sees
+        remove_stale_files()   # what a killed predecessor on this host left
 
     def wanted(self, source: scheduler_pb2.KvSource) -> bool:
         return bool(source.address) and source.scheduler_id != self.scheduler_id and source.num_blocks > 0
@@ -165,9 +167,12 @@ class KvPulls:
         manager = scheduler.block_manager
         layout = kv_layout(self.loop.info.model, manager.root_hash)
         stub = scheduler_pb2_grpc.SchedulerStub(self.channel(source.address))
-        request = scheduler_pb2.FetchBlocksRequest(block_hashes=hashes, layout=layout,
-                                                   shm_probe=os.path.basename(self.probe))
-        call = stub.FetchBlocks(request, metadata=self.metadata)
+        with shm_probe() as probe:
+            request = scheduler_pb2.FetchBlocksRequest(block_hashes=hashes, layout=layout, shm_probe=probe)
+            await self.read_chunks(scheduler, request_id, stub.FetchBlocks(request, metadata=self.metadata), layout)
+
+    async def read_chunks(self, scheduler, request_id: str, call: grpc.aio.UnaryStreamCall,
+                          layout: scheduler_pb2.KvLayout) -> None:
         try:
             while (chunk := await asyncio.wait_for(call.read(), PULL_STALL_S)) is not grpc.aio.EOF:
                 try:
@@ -215,16 +220,23 @@ class KvPulls:
             task.cancel()
         for channel in self.channels.values():
             await channel.close()
-        remove_chunk_file(self.probe, prefix="")
 
 
-def make_probe() -> str:
-    """A file of ours in /dev/shm ("" where there is none)."""
+@contextlib.contextmanager
+def shm_probe() -> Iterator[str]:
+    """The bare name of a file of ours in /dev/shm, there while the block runs ("" where there is no /dev/shm): a
+    holder that sees it shares this host. One pull long, so a killed scheduler leaves only its pulls' in flight,
+    which remove_stale_files sweeps."""
     if not os.path.isdir(SHM_DIR):
-        return ""
-    handle, path = tempfile.mkstemp(prefix="ferry-probe-", dir=SHM_DIR)
+        yield ""
+        return
+    handle, path = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=SHM_DIR)
     os.close(handle)
-    return path
+    try:
+        yield os.path.basename(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def shares_memory(probe: str) -> bool:
@@ -236,19 +248,22 @@ def is_chunk_file(path: str) -> bool:
     return os.path.dirname(path) == SHM_DIR and os.path.basename(path).startswith(SHM_PREFIX)
 
 
-def remove_chunk_file(path: str, prefix: str = SHM_PREFIX) -> None:
-    if path and (not prefix or is_chunk_file(path)):
+def remove_chunk_file(path: str) -> None:
+    if path and is_chunk_file(path):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
 
 
-def remove_stale_chunks() -> None:
-    """Chunk files older than STALE_SHM_S: their puller never read them (it died, or gave up on the stream)."""
+def remove_stale_files() -> None:
+    """Chunk and probe files older than STALE_SHM_S: their puller never read or removed them (it died, or gave up on
+    the stream)."""
+    if not os.path.isdir(SHM_DIR):
+        return
     now = time.time()
     for entry in os.scandir(SHM_DIR):
-        if entry.name.startswith(SHM_PREFIX):
+        if entry.name.startswith((SHM_PREFIX, PROBE_PREFIX)):
             try:
                 if now - entry.stat().st_mtime > STALE_SHM_S:
                     os.unlink(entry.path)

@@ -2,18 +2,19 @@
 first P schedulers are registered with --role prefill, the rest with --role decode.
 
 On arrival the routing policy ranks the decode schedulers (as the router plans before the prefill), and the prompt
-goes to the prefill scheduler with the fewest prompt tokens queued (its last heartbeat, then this router's requests
-in flight there) as a one-token request whose token nobody sees; its prefix cache serves a prompt it has seen like
-any other scheduler's. When that request ends, its blocks stay cached there, and the request goes to the first
-decode scheduler in the ranking whose queue takes it, naming the prefill scheduler as its kv_source: it pulls the
+goes to the prefill scheduler the router's rule picks (disaggregation.rank_prefill: the prompt's deepest holder unless
+its queue, the larger of its last heartbeat's and the prompt tokens in flight there, outweighs leaving it) as a
+one-token request whose token nobody sees; its prefix cache serves a prompt it has seen like any other
+scheduler's. When that request ends, its blocks stay cached there, and the request goes to the first decode scheduler
+in the ranking whose queue takes it, naming the prefill scheduler as its kv_source: it pulls the
 prompt's full blocks (all but the last token's) that it lacks over the prefill scheduler's link (sim_kv_pull.py:
 one transfer at a time a link, the blocks pinned while read), then computes the rest (the last partial block) and
 decodes. A prefill no prefill scheduler takes leaves the decode scheduler to compute the whole prompt. The client's
 first token is the decode scheduler's.
 
-`prefill_pick="in_flight"` is a what-if the router does not do: the prefill scheduler with the fewest prompt tokens
-this router has in flight there (exact with one router), instead of the last heartbeat's queue, which a whole
-heartbeat's prompts follow to the same scheduler.
+`prefill_pick="heartbeat"` is the router's rule; `prefill_pick="in_flight"` is a what-if the router does not do: the
+prefill scheduler with the fewest prompt tokens in flight there (exact with one router), blind to where prefixes are
+cached.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from benchmarks.cluster.cluster_sim import BLOCK_SIZE, ClusterSim, SimNode, SimRequest
 from benchmarks.cluster.sim_kv_pull import PinnedBlocks
 from protos.registration import SchedulerInfo
-from router.disaggregation import PREFILL_SUFFIX, least_loaded, roles
+from router.disaggregation import PREFILL_SUFFIX, rank_prefill, roles
 from router.kv_pull import KvPull
 from router.policy import plan_route
 
@@ -75,14 +76,14 @@ class DisaggregatedSim(ClusterSim):
         plan = plan_route(router.policy, decode_nodes, self.routing_input(request))
         handoff = Handoff(request, plan.ranked)    # its pulls are the router's own plan: P/D leaves them out
         self.handoffs[request.request_id] = handoff
-        handoff.prefill_node = self.take_prefill(request, self.rank_prefill(prefill_nodes, router.pending))
+        handoff.prefill_node = self.take_prefill(request, self.rank_prefill(prefill_nodes, request))
         if handoff.prefill_node is None:
             self.stats.recomputed += 1
             self.place(request, handoff.decode_ranking, {})
 
-    def rank_prefill(self, prefill_nodes: list[SchedulerInfo], pending: dict[str, int]) -> list[SchedulerInfo]:
-        if self.prefill_pick == "heartbeat":
-            return least_loaded(prefill_nodes, pending)     # the router's choice
+    def rank_prefill(self, prefill_nodes: list[SchedulerInfo], request: SimRequest) -> list[SchedulerInfo]:
+        if self.prefill_pick == "heartbeat":   # the router's choice
+            return rank_prefill(prefill_nodes, self.routing_input(request), self.prefill_tokens)
         return sorted(prefill_nodes, key=lambda info: self.prefill_tokens[info.scheduler_id])
 
     def take_prefill(self, request: SimRequest, ranked: Sequence[SchedulerInfo]) -> SimNode | None:

@@ -1,5 +1,6 @@
 """docker-compose.yml (alone and with its monitoring and GPU overrides) is valid compose with the services the
-design names; the GPU override runs the CUDA image; both images install every package Ferry ships."""
+design names; the GPU override runs the CUDA image; the `pd` profile adds prefill schedulers beside the schedulers
+that decode; both images install every package Ferry ships."""
 from __future__ import annotations
 
 import os
@@ -25,22 +26,30 @@ def compose(files: tuple[str, ...], *command: str, env: dict[str, str] | None = 
     return subprocess.run(["docker-compose", *flags, *command], capture_output=True, text=True, timeout=60, env=env)
 
 
+def resolved_services(files: tuple[str, ...], *flags: str, **variables: str | None) -> dict:
+    """The services as compose resolves them (`flags` before `config`, e.g. a profile), each of `variables` set to
+    its value or, where None, unset."""
+    env = {key: value for key, value in os.environ.items() if key not in variables}
+    env.update({key: value for key, value in variables.items() if value is not None})
+    resolved = compose(files, *flags, "config", env=env)
+    assert resolved.returncode == 0, resolved.stderr
+    return yaml.safe_load(resolved.stdout)["services"]
+
+
 def scheduler_service(files: tuple[str, ...], tensor_parallel_size: str | None) -> dict:
     """The scheduler service as compose resolves it, FERRY_TENSOR_PARALLEL_SIZE set to this or unset."""
-    env = {key: value for key, value in os.environ.items() if key != "FERRY_TENSOR_PARALLEL_SIZE"}
-    if tensor_parallel_size is not None:
-        env["FERRY_TENSOR_PARALLEL_SIZE"] = tensor_parallel_size
-    resolved = compose(files, "config", env=env)
-    assert resolved.returncode == 0, resolved.stderr
-    return yaml.safe_load(resolved.stdout)["services"]["scheduler"]
+    return resolved_services(files, FERRY_TENSOR_PARALLEL_SIZE=tensor_parallel_size)["scheduler"]
 
 
 @needs_compose
 def test_compose_file_is_valid_and_names_every_service():
     check = compose((), "config", "-q")
     assert check.returncode == 0, check.stderr
-    assert set(compose((), "config", "--services").stdout.split()) == {"secrets", "redis", "jaeger", "router",
-                                                                        "scheduler"}
+    services = yaml.safe_load(compose((), "config").stdout)["services"]
+    assert {name for name, service in services.items() if "profiles" not in service} == {
+        "secrets", "redis", "jaeger", "router", "scheduler"}
+    assert {name: service["profiles"] for name, service in services.items() if "profiles" in service} == {
+        "prefill-scheduler": ["pd"]}
 
 
 @needs_compose
@@ -72,6 +81,26 @@ def test_the_tensor_parallel_size_reaches_the_scheduler_and_its_gpu_reservation(
     if overrides:
         (devices,) = scheduler["deploy"]["resources"]["reservations"]["devices"]
         assert int(devices["count"]) == 4
+
+
+@needs_compose
+@pytest.mark.parametrize("overrides", [(), ("docker-compose.gpu.yml",)], ids=["cpu", "gpu"])
+def test_the_pd_profile_runs_prefill_schedulers_beside_the_schedulers_that_decode(overrides: tuple[str, ...]):
+    services = resolved_services(overrides, "--profile", "pd", FERRY_SCHEDULER_ROLE="decode",
+                                 FERRY_TENSOR_PARALLEL_SIZE="2")
+    prefill, decode = services["prefill-scheduler"], services["scheduler"]
+    assert flag_value(prefill["command"], "--role") == "prefill" and flag_value(decode["command"], "--role") == "decode"
+    assert flag_value(prefill["command"], "--tensor-parallel-size") == "2"
+    without_role = {key: value for key, value in prefill.items() if key not in ("command", "profiles")}
+    assert without_role == {key: value for key, value in decode.items() if key != "command"}
+    assert [arg for arg in prefill["command"] if arg != "prefill"] == [arg for arg in decode["command"]
+                                                                      if arg != "decode"]
+
+
+@needs_compose
+def test_schedulers_do_everything_unless_told_their_role():
+    scheduler = resolved_services((), FERRY_SCHEDULER_ROLE=None)["scheduler"]
+    assert flag_value(scheduler["command"], "--role") == "both"
 
 
 def shipped_packages() -> list[str]:

@@ -1,7 +1,9 @@
 """deploy/kubernetes: every manifest is valid against the Kubernetes API schemas (kubernetes-validate ships them, so
 this runs offline), and the pieces fit together: Services select pod templates, every argument and environment
 variable configures the service it is given to (checked against the services' real argparse parsers), probes
-and scrapes point at container ports, grace periods outlast the drains, and no secret is on a command line."""
+and scrapes point at container ports, grace periods outlast the drains, and no secret is on a command line. The
+disaggregated prefill/decode overlay (deploy/kubernetes-pd) is valid too, and its prefill schedulers are the base's
+schedulers but for their name and role."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +30,7 @@ from tests.services_fixtures import redis_answers, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
+PD_OVERLAY = ROOT / "deploy" / "kubernetes-pd"
 KUBERNETES_VERSIONS = ("1.27", "1.37")   # 1.27: gRPC probes are GA; 1.37: the newest schemas kubernetes-validate ships
 DOWNWARD_API_SAMPLES = {"metadata.name": "ferry-scheduler-7d9c-x2x4q", "metadata.namespace": "ferry",
                         "status.podIP": "10.4.0.17"}
@@ -51,6 +54,13 @@ def resources() -> list[dict]:
 
 def of_kind(kind: str) -> list[dict]:
     return [r for r in resources() if r["kind"] == kind]
+
+
+def overlay_resources() -> list[dict]:
+    """The objects the P/D overlay adds to the base (its own files)."""
+    overlay = yaml.safe_load((PD_OVERLAY / "kustomization.yaml").read_text())
+    return [doc for name in overlay["resources"] if name.endswith(".yaml")
+            for doc in yaml.safe_load_all((PD_OVERLAY / name).read_text()) if doc]
 
 
 def pod_templates() -> list[dict]:
@@ -263,6 +273,59 @@ def test_the_tensor_parallel_size_set_once_is_the_schedulers_flag_and_its_gpus(t
     for limits in (container["resources"]["requests"], container["resources"]["limits"]):
         assert int(limits["nvidia.com/gpu"]) == 4
     validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_the_pd_overlay_is_the_base_and_every_manifest_in_its_folder():
+    overlay = yaml.safe_load((PD_OVERLAY / "kustomization.yaml").read_text())
+    manifests = {path.name for path in PD_OVERLAY.glob("*.yaml")} - {"kustomization.yaml"}
+    assert overlay["resources"] == ["../kubernetes", *sorted(manifests)]
+    assert overlay["namespace"] == kustomization()["namespace"]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_pd_overlays_manifests_are_valid_against_the_kubernetes_api_schemas(version: str):
+    for resource in overlay_resources():
+        validate(resource, version, strict=True)
+
+
+def renamed(resource: dict, old: str, new: str) -> dict:
+    return yaml.safe_load(yaml.safe_dump(resource).replace(old, new))
+
+
+def test_the_prefill_schedulers_are_the_schedulers_but_for_their_name_and_role():
+    """So the copy cannot drift from the base: every other field (probes, secrets, GPUs, grace period) is the same."""
+    base = {(r["kind"], r["metadata"]["name"]): r for r in resources()}
+    for resource in overlay_resources():
+        as_base = renamed(resource, "ferry-prefill-scheduler", "ferry-scheduler")
+        if resource["kind"] == "Deployment":
+            (container,) = as_base["spec"]["template"]["spec"]["containers"]
+            assert container["args"][-2:] == ["--role", "prefill"]
+            assert parsed_args("scheduler", container).role == "prefill"
+            del container["args"][-2:]
+        assert as_base == base[(resource["kind"], "ferry-scheduler")]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its kustomize) is not installed")
+def test_the_pd_overlay_runs_prefill_and_decode_schedulers_each_on_its_gpus(tmp_path: Path):
+    shutil.copytree(MANIFESTS, tmp_path / MANIFESTS.name)
+    shutil.copytree(PD_OVERLAY, tmp_path / PD_OVERLAY.name)
+    (tmp_path / MANIFESTS.name / "secrets.env").write_text("cluster-token=t\nredis-password=p\n")
+    config = tmp_path / MANIFESTS.name / "config.yaml"
+    config.write_text(config.read_text().replace('FERRY_TENSOR_PARALLEL_SIZE: "1"', 'FERRY_TENSOR_PARALLEL_SIZE: "2"'))
+    built = subprocess.run(["kubectl", "kustomize", str(tmp_path / PD_OVERLAY.name)], capture_output=True, text=True,
+                           timeout=60)
+    assert built.returncode == 0, built.stderr
+    rendered = {r["metadata"]["name"]: r for r in yaml.safe_load_all(built.stdout) if r and r["kind"] == "Deployment"}
+    for name, role in (("ferry-prefill-scheduler", "prefill"), ("ferry-scheduler", "decode")):
+        deployment = rendered[name]
+        validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+        assert deployment["metadata"]["namespace"] == "ferry"
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert parsed_args("scheduler", container).role == role
+        for limits in (container["resources"]["requests"], container["resources"]["limits"]):
+            assert int(limits["nvidia.com/gpu"]) == 2
+    assert secret_refs(rendered["ferry-prefill-scheduler"]["spec"]["template"]["spec"]["containers"][0]) == \
+        secret_refs(rendered["ferry-scheduler"]["spec"]["template"]["spec"]["containers"][0])
 
 
 def test_routers_see_the_model_cache_where_schedulers_register_their_model_paths():
