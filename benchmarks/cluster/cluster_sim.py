@@ -252,7 +252,7 @@ class ClusterSim:
         node, request, pinned = pulled
         pinned.release()
         node.pulls += 1
-        node.pulled_blocks += install(node.scheduler.block_manager, pinned.block_hashes)
+        node.pulled_blocks += install(node.scheduler.block_manager, pinned.block_hashes, self.profile.kv_block_bytes)
         self.admit(node, request)
 
     def admit(self, node: SimNode, request: SimRequest) -> None:

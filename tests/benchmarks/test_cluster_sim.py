@@ -18,12 +18,15 @@ from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_p
 from benchmarks.cluster.long_mix import long_mix
 from benchmarks.cluster.sim_adapters import AdapterSetup
 from benchmarks.cluster.sim_disagg import DisaggregatedSim
+from benchmarks.cluster.sim_kv_pull import install
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
 from router.kv_pull import KvPull
 from router.policy import POLICIES, RoutingInput, RoutingPlan
+from scheduler.block_manager import BlockManager
+from scheduler.kv_transfer import CHUNK_BYTES
 
 SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,
                            decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64, prefill_context_token_s=0.0)
@@ -322,6 +325,19 @@ def test_pulls_from_one_holder_queue_on_its_link():
     done = sim.run([SimRequest("a", 0.0, prefix + [1], 1), SimRequest("b", 10.0, prefix + [2], 1),
                     SimRequest("c", 10.0, prefix + [3], 1)])
     assert [r.first_token_s - r.arrival_s for r in done[1:]] == pytest.approx([0.2, 0.4])   # one-token prefills: free
+
+
+def test_a_pull_installs_its_blocks_as_the_real_puller_does_reserve_then_adopt_chunk_by_chunk():
+    receiver = BlockManager(num_blocks=4, block_size=BLOCK_SIZE, root_hash=0)
+    receiver.adopt(receiver.reserve(1), [11])                 # hash 11 already cached, free
+    written = install(receiver, [11, 12, 13], block_bytes=CHUNK_BYTES // 2)   # two blocks a chunk
+    assert written == 3                                       # the cached hash took a block too, freed plain
+    assert set(receiver.cached) == {11, 12, 13} and receiver.num_free_blocks == 4
+    busy = BlockManager(num_blocks=4, block_size=BLOCK_SIZE, root_hash=0)
+    busy.reserve(2)                                           # held by running requests
+    assert install(busy, [1, 2, 3, 4], block_bytes=CHUNK_BYTES // 2) == 4   # the second chunk evicts the first
+    assert set(busy.cached) == {3, 4}
+    assert install(busy, [5, 6, 7], block_bytes=CHUNK_BYTES // 3) == 0     # a chunk the pool has no room for
 
 
 def test_closed_loop_clients_send_the_next_request_as_one_ends():
