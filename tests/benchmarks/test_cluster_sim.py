@@ -101,6 +101,38 @@ def test_the_prefix_index_holds_what_the_schedulers_kv_events_published():
     assert sim.nodes["sched-00"].scheduler.block_manager.cached.keys() >= set(hashes)
 
 
+@dataclass
+class SeenByRouter:
+    """Round robin that notes, per request, the prefix index's matches and the registrations it was routed on."""
+    matched: dict[str, dict[str, int]] = field(default_factory=dict)
+    waiting: dict[str, list[int]] = field(default_factory=dict)
+
+    def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        self.matched[request.request_id] = dict(request.matched_blocks)
+        self.waiting[request.request_id] = [c.num_waiting + c.num_running for c in candidates]
+        return sorted(candidates, key=lambda info: info.scheduler_id)
+
+
+def test_kv_events_reach_the_prefix_index_kv_event_lag_s_after_the_step():
+    seen = SeenByRouter()
+    sim = ClusterSim(1, SECONDS_PER_PREFILL_TOKEN, seen, kv_event_lag_s=0.5)
+    prefix = list(range(100, 132))                            # a's prefill ends at 0.33 s, its events land at 0.83
+    sim.run([SimRequest("a", 0.0, prefix + [1], 1), SimRequest("b", 0.5, prefix + [2], 1),
+             SimRequest("c", 1.0, prefix + [3], 1)])
+    assert (seen.matched["b"], seen.matched["c"]) == ({}, {"sched-00": 2})
+
+
+def test_the_router_sees_a_heartbeat_only_once_it_reads_the_registrations():
+    seen = SeenByRouter()
+    sim = ClusterSim(1, SECONDS_PER_STEP, seen, registration_read_s=0.5)   # heartbeats at 1, 2 s; reads at 0.25,
+    #                                                                          0.75, 1.25 s...
+    requests = [SimRequest("a", 0.0, list(range(100, 132)), 3)] + [
+        SimRequest(name, at, list(range(200 + 40 * i, 232 + 40 * i)), 1)
+        for i, (name, at) in enumerate((("b", 0.9), ("c", 1.2), ("d", 1.6)))]
+    sim.run(requests)
+    assert [seen.waiting[r][0] for r in "bcd"] == [0, 0, 2]    # the 1 s heartbeat (a and b there) read at 1.25 s
+
+
 @pytest.mark.parametrize("policy, second_hits", [("cache_aware", True), ("round_robin", False)])
 def test_the_real_policy_picks_among_simulated_schedulers(policy: str, second_hits: bool):
     sim = one_scheduler(SECONDS_PER_PREFILL_TOKEN, policy, num_schedulers=2)
