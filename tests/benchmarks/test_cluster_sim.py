@@ -183,7 +183,8 @@ def test_two_routers_take_arrivals_in_turn_and_each_hears_the_finishes_of_its_ow
 def test_one_router_in_a_list_runs_exactly_as_the_single_router_simulation():
     requests = workloads.load("tenants", num_requests=120)
     spec = RunSpec(4, "cache_aware", 2.0, "h100_llama8b", kv_blocks=512, num_routers=1)
-    single = ClusterSim(4, load_profile("h100_llama8b"), POLICIES["cache_aware"](), kv_blocks=512)
+    single = ClusterSim(4, load_profile("h100_llama8b"), router_policies(spec)[0], kv_blocks=512,
+                        registration_read_s=spec.registration_read_s, kv_event_lag_s=spec.kv_event_lag_s)
     single_runs = summarize(spec, single, single.run(sim_requests(requests, spec.rate, spec.seed)))
     assert run_one(spec, requests) == single_runs
     multi = run_one(replace(spec, num_routers=4), requests)
