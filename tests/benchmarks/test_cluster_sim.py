@@ -19,6 +19,7 @@ from benchmarks.cluster.long_mix import long_mix
 from benchmarks.cluster.sim_adapters import AdapterSetup
 from benchmarks.cluster.sim_disagg import DisaggregatedSim
 from benchmarks.cluster.sim_kv_pull import install
+from benchmarks.cluster.tenants_file import main as tenants_file
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
@@ -438,3 +439,13 @@ def test_ferry_bench_cluster_compares_pd_splits_with_co_located_serving():
     assert disaggregated["disaggregation"]["transfers"] == 40 and colocated["pulls"] == 0
     assert disaggregated["tpot_s"] is not None and "disaggregation" not in colocated
     assert prefill_count("1:3", 16) == 4 and prefill_count("1:1", 64) == 32 and prefill_count("5", 16) == 5
+
+
+def test_tenants_file_writes_the_shape_asked_with_ids_folded_into_the_vocabulary(tmp_path):
+    out = tmp_path / "t.json"
+    tenants_file(["--num-tenants", "4", "--prefix-tokens", "32,48", "--max-tokens", "2,3", "--num-requests", "20",
+                  "--vocab-size", "100", "--out", str(out)])
+    requests = workloads.load_workload_file(out)
+    assert len(requests) == 20 and all(2 <= r.max_tokens <= 3 for r in requests)
+    assert all(3 <= t < 100 for r in requests for t in r.prompt_token_ids)
+    assert len({tuple(r.prompt_token_ids[:32]) for r in requests}) <= 4
