@@ -72,6 +72,8 @@ BENCHMARKS = {
                                                                    "on `tenants` over 2 schedulers"),
     "long-mix": Bench("benchmarks.cluster.long_mix", "write a workload file where long prefills meet long decodes "
                                                      "(for `ferry bench cluster --workload-file`)"),
+    "tenants-file": Bench("benchmarks.cluster.tenants_file", "write a `tenants` workload file of a given shape, its "
+                                                             "ids folded into a small vocabulary where asked"),
     # gpu: the check a fresh GPU machine runs (scripts/gpu_check.sh), steps from every room
     "gpu-check": Bench("benchmarks.gpu.check", "Ferry on one NVIDIA GPU, every step a process of its own, one JSON "
                                                "summary"),

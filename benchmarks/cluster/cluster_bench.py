@@ -41,6 +41,8 @@ from router.kv_pull import KvPullOptions
 from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
 
 TTFT_TARGET_S = 2.0
+REGISTRATION_READ_S = 0.5   # router/discovery.py's refresh_seconds in `ferry up`
+KV_EVENT_LAG_S = 0.002      # the scheduler's publishing task: a turn of its event loop and one Redis write (estimated)
 BENCH_POLICIES = {**POLICIES, "adapter_blind": lambda: CacheAwarePolicy(adapter_load_tokens=0),
                   "cache_aware_no_pull": lambda: CacheAwarePolicy(kv_pull=KvPullOptions(kv_pull=False))}
 """The router's policies; cache_aware blind to where adapters are resident (the baseline of adapter affinity), and
@@ -67,6 +69,8 @@ class RunSpec:
     timing_noise: float = 0.0            # steps this fraction longer or shorter at random, heartbeats at a random phase
     prefill_schedulers: int = 0          # disaggregated: this many prefill schedulers, the rest decode (0: co-located)
     prefill_pick: str = "heartbeat"      # how P/D picks the prefill scheduler (sim_disagg.py; heartbeat: the router's)
+    registration_read_s: float = REGISTRATION_READ_S   # how often the router reads the registrations (0: at once)
+    kv_event_lag_s: float = KV_EVENT_LAG_S             # a step's end to its KV events in the prefix index
 
     @property
     def rate(self) -> float:
@@ -150,6 +154,7 @@ def summarize(spec: RunSpec, sim: ClusterSim, requests: list[SimRequest]) -> dic
     busy = [n.busy_s for n in sim.nodes.values()]
     return {"num_schedulers": spec.num_schedulers, "num_routers": spec.num_routers, "heartbeat_s": spec.heartbeat_s,
             "announce_prompts": spec.announce_prompts, "policy": spec.policy, "profile": spec.profile,
+            "registration_read_s": spec.registration_read_s, "kv_event_lag_s": spec.kv_event_lag_s,
             "rate_per_scheduler": spec.rate_per_scheduler, "request_rate": round(spec.rate, 3),
             "in_flight": spec.in_flight, "prefill_schedulers": spec.prefill_schedulers,
             "pulls": sum(n.pulls for n in sim.nodes.values()),
@@ -201,7 +206,8 @@ def configure_cache_aware(policy: CacheAwarePolicy, spec: RunSpec) -> None:
 def new_sim(spec: RunSpec) -> ClusterSim:
     args = (spec.num_schedulers, load_profile(spec.profile), router_policies(spec), spec.kv_blocks, spec.heartbeat_s)
     kwargs = dict(announce_prompts=spec.announce_prompts, adapters=spec.adapter_setup(),
-                  timing_noise=spec.timing_noise, seed=spec.seed)
+                  timing_noise=spec.timing_noise, seed=spec.seed, registration_read_s=spec.registration_read_s,
+                  kv_event_lag_s=spec.kv_event_lag_s)
     if spec.prefill_schedulers:
         return DisaggregatedSim(spec.prefill_schedulers, *args, prefill_pick=spec.prefill_pick, **kwargs)
     return ClusterSim(*args, **kwargs)
@@ -364,6 +370,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prefill-pick", default="heartbeat", choices=PREFILL_PICKS,
                         help="P/D's prefill scheduler: the router's (fewest queued prompt tokens at the last "
                              "heartbeat) or, a what-if, fewest prompt tokens this router has in flight there")
+    parser.add_argument("--registration-read-s", type=float, default=REGISTRATION_READ_S,
+                        help="how often the router reads the schedulers' registrations (0: the moment a heartbeat "
+                             "writes them)")
+    parser.add_argument("--kv-event-lag-s", type=float, default=KV_EVENT_LAG_S,
+                        help="how long a step's KV events take to reach the prefix index")
     parser.add_argument("--plot-dir", type=Path)
     args = parser.parse_args(argv)
     requests = load_requests(args)
@@ -372,7 +383,8 @@ def main(argv: list[str]) -> int:
     specs = [RunSpec(int(n), policy, rate, args.profile, args.kv_blocks, args.seed, args.num_routers,
                      args.heartbeat_s, args.announce_prompts, args.adapters, args.adapter_zipf_s, args.max_loras,
                      args.lora_load_s, in_flight, args.holder_margin, args.timing_noise,
-                     prefill_count(split, int(n)), args.prefill_pick)
+                     prefill_count(split, int(n)), args.prefill_pick, args.registration_read_s,
+                     args.kv_event_lag_s)
              for n in args.num_schedulers.split(",") for rate, in_flight in loads
              for split in args.prefill_schedulers.split(",") for policy in args.policies.split(",")]
     runs = sweep(specs, requests)

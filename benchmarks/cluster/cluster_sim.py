@@ -1,19 +1,21 @@
 """A discrete-event simulation of a Ferry cluster: N real schedulers, the real routing policy, no workers.
 
-Each scheduler is the real `scheduler.core.Scheduler` with its real BlockManager and prefix cache; a step's
-duration comes from a cost model (benchmarks/cluster/cost_model.py) instead of a forward pass, and the sampled tokens
-are synthetic (benchmark requests ignore EOS and run to max_tokens, so which tokens come out changes nothing).
-The prefix index is what the schedulers' KV events would publish to Redis, applied as each step ends; the load
-the router sees is each scheduler's registration as of its last heartbeat. Requests are routed on arrival by the
-same policy function `ferry up` runs, and admission control (a full queue: try the next) is the real one. With
-several routers (replicas behind a load balancer) each has its own policy instance and in-flight counts, arrivals
-go to them in turn, and a request's finish is told to the router that routed it. With LoRA adapters
-(benchmarks/cluster/sim_adapters.py) each scheduler has device slots, a request may wait for one and pay its
-adapter's load, and the heartbeats publish the resident adapters the router weighs. Where the router's plan has the
-chosen scheduler pull the prompt's prefix from its holder (kv_source), the request waits for the transfer and then
-finds the blocks cached (benchmarks/cluster/sim_kv_pull.py). Requests arrive at their own times (Poisson, from the
-bench), or from closed-loop clients: `in_flight` of them at once, each sending its next request the moment the
-last one ends, as benchmark clients and guidellm send them.
+Each scheduler is the real `scheduler.core.Scheduler` with its real BlockManager and prefix cache; a step's duration
+comes from a cost model (benchmarks/cluster/cost_model.py) instead of a forward pass, and the sampled tokens are
+synthetic (benchmark requests ignore EOS and run to max_tokens, so which tokens come out changes nothing). The
+prefix index is what the schedulers' KV events would publish to Redis, applied as each step ends (or
+`kv_event_lag_s` later: the scheduler publishes them from a task, a Redis write away); the load the router sees is
+each scheduler's registration as of its last heartbeat, as of the router's last read of the registrations
+(`registration_read_s`: every 0.5 s in `ferry up`, so a load the router weighs is up to a heartbeat and a read old).
+Requests are routed on arrival by the same policy function `ferry up` runs, and admission control (a full queue: try
+the next) is the real one. With several routers (replicas behind a load balancer) each has its own policy instance
+and in-flight counts, arrivals go to them in turn, and a request's finish is told to the router that routed it. With
+LoRA adapters (benchmarks/cluster/sim_adapters.py) each scheduler has device slots, a request may wait for one and
+pay its adapter's load, and the heartbeats publish the resident adapters the router weighs. Where the router's plan
+has the chosen scheduler pull the prompt's prefix from its holder (kv_source), the request waits for the transfer
+and then finds the blocks cached (benchmarks/cluster/sim_kv_pull.py). Requests arrive at their own times (Poisson,
+from the bench), or from closed-loop clients: `in_flight` of them at once, each sending its next request the moment
+the last one ends, as benchmark clients and guidellm send them.
 """
 from __future__ import annotations
 
@@ -81,7 +83,8 @@ class SimNode:
     def __post_init__(self) -> None:
         self.identity = SchedulerInfo(self.scheduler_id, f"sim:{self.scheduler_id}", MODEL, MODEL, BLOCK_SIZE,
                                       MAX_MODEL_LEN, VOCAB, 0)
-        self.info = self.registration()
+        self.info = self.registration()          # what the router last read
+        self.published = self.info               # what the last heartbeat wrote to Redis
 
     def registration(self) -> SchedulerInfo:
         """What a scheduler's heartbeat writes (scheduler/presence.py), from its Stats (with its adapters)."""
@@ -144,13 +147,16 @@ class ClusterSim:
     schedulers' --announce-prompts: they publish a prompt's blocks when they admit it, not only once computed.
     `adapters`: the LoRA adapters requests may name, and each scheduler's slots for them. `timing_noise`: each
     step takes up to that fraction more or less than the cost model says, and the heartbeats start at a random
-    phase (both from `seed`): what makes two runs of one load on a real cluster differ."""
+    phase (both from `seed`): what makes two runs of one load on a real cluster differ. `registration_read_s`: how
+    often the router reads the registrations the heartbeats write (0: the moment they are written);
+    `kv_event_lag_s`: how long after a step its KV events reach the prefix index."""
 
     def __init__(self, num_schedulers: int, profile: CostProfile, policy: RoutingPolicy | Sequence[RoutingPolicy],
                  kv_blocks: int = 0, heartbeat_s: float = 1.0, limits: AdmissionLimits = AdmissionLimits(),
                  announce_prompts: bool = False, adapters: AdapterSetup | None = None, timing_noise: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, registration_read_s: float = 0.0, kv_event_lag_s: float = 0.0):
         self.profile, self.heartbeat_s, self.limits, self.adapters = profile, heartbeat_s, limits, adapters
+        self.registration_read_s, self.kv_event_lag_s = registration_read_s, kv_event_lag_s
         self.timing_noise, self.rng = timing_noise, random.Random(seed)
         self.routers = [SimRouter(p) for p in (policy if isinstance(policy, Sequence) else [policy])]
         self.arrivals = itertools.count()
@@ -182,6 +188,9 @@ class ClusterSim:
                 self.at(request.arrival_s, self.arrive, request)
         self.outstanding = len(requests)
         self.at(self.heartbeat_s * (self.rng.random() if self.timing_noise else 1.0), self.heartbeat)
+        if self.registration_read_s:   # the router started at its own moment: its reads are out of phase
+            self.at(self.registration_read_s * (self.rng.random() if self.timing_noise else 0.5),
+                    self.read_registrations)
         while self.events and self.outstanding:
             self.now, _, handler, arg = heapq.heappop(self.events)
             handler(arg)
@@ -252,14 +261,14 @@ class ClusterSim:
         node, request, pinned = pulled
         pinned.release()
         node.pulls += 1
-        node.pulled_blocks += install(node.scheduler.block_manager, pinned.block_hashes)
+        node.pulled_blocks += install(node.scheduler.block_manager, pinned.block_hashes, self.profile.kv_block_bytes)
         self.admit(node, request)
 
     def admit(self, node: SimNode, request: SimRequest) -> None:
         """Into the scheduler (its queue, where its adapter waits for a slot)."""
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         node.scheduler.add_request(request.request_id, request.prompt, params, lora_name=request.adapter)
-        self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())   # as scheduler/engine_loop
+        self.publish_kv_events(node)   # as scheduler/engine_loop
         if node.step is None:
             self.start_step(node)
 
@@ -281,8 +290,19 @@ class ClusterSim:
     def step_done(self, node: SimNode) -> None:
         for output in node.scheduler.update(node.step, synthetic_result(node.scheduler, node.step)):
             self.on_output(output.request_id, len(output.new_token_ids), output.finish_reason is not None)
-        self.index.apply(node.scheduler_id, *node.scheduler.drain_kv_events())
+        self.publish_kv_events(node)
         self.start_step(node)
+
+    def publish_kv_events(self, node: SimNode) -> None:
+        """The scheduler's KV events since its last drain, into the prefix index now or kv_event_lag_s later."""
+        events = (node.scheduler_id, *node.scheduler.drain_kv_events())
+        if self.kv_event_lag_s:
+            self.at(self.now + self.kv_event_lag_s, self.apply_kv_events, events)
+        else:
+            self.apply_kv_events(events)
+
+    def apply_kv_events(self, events: tuple[str, list[int], list[int]]) -> None:
+        self.index.apply(*events)
 
     def on_output(self, request_id: str, num_tokens: int, finished: bool) -> None:
         request = self.requests[request_id]
@@ -302,6 +322,15 @@ class ClusterSim:
 
     def heartbeat(self, _: object = None) -> None:
         for node in self.nodes.values():
-            node.info = node.registration()
+            node.published = node.registration()
+            if not self.registration_read_s:
+                node.info = node.published
         if self.events:   # nothing else scheduled: the run is over (or stuck, which its results will show)
             self.at(self.now + self.heartbeat_s, self.heartbeat)
+
+    def read_registrations(self, _: object = None) -> None:
+        """The router's directory refresh (router/discovery.py): what the heartbeats last wrote."""
+        for node in self.nodes.values():
+            node.info = node.published
+        if self.events:
+            self.at(self.now + self.registration_read_s, self.read_registrations)

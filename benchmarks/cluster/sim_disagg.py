@@ -65,7 +65,7 @@ class DisaggregatedSim(ClusterSim):
         self.prefill_tokens: dict[str, int] = defaultdict(int)   # prompt tokens in flight on each prefill scheduler
         for i, node in enumerate(self.nodes.values()):
             node.identity = replace(node.identity, role="prefill" if i < num_prefill else "decode")
-            node.info = node.registration()
+            node.info = node.published = node.registration()
         self.handoffs: dict[str, Handoff] = {}
         self.stats = HandoffStats()
 

@@ -2,11 +2,11 @@
 blocks over a link instead of prefilling them.
 
 The request waits for its transfer (the receiver's steps go on: a transfer never blocks its step loop), then enters
-the receiver's queue with the blocks in its pool and prefix cache as if computed there, so the real scheduler
-finds them as a prefix hit. The holder pins the blocks it still holds for as long as they are read (a block it
-evicted before the pull began is not sent: the receiver recomputes from there). Each holder sends one pull at a time
-over its link, `kv_pull_bytes_per_s`, after `kv_pull_latency_s` to set the pull up; the holder's own steps are not
-slowed (the copy is the worker's, off its step).
+the receiver's queue with the blocks in its pool and prefix cache as if computed there (the real puller's reserve
+and adopt, chunk by chunk), so the real scheduler finds them as a prefix hit. The holder pins the blocks it still
+holds for as long as they are read (a block it evicted before the pull began is not sent: the receiver recomputes
+from there). Each holder sends one pull at a time over its link, `kv_pull_bytes_per_s`, after `kv_pull_latency_s` to
+set the pull up; the holder's own steps are not slowed (the copy is the worker's, off its step).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from benchmarks.cluster.cost_model import CostProfile
 from scheduler.block_manager import BlockManager
+from scheduler.kv_transfer import CHUNK_BYTES
 
 
 @dataclass
@@ -34,22 +35,21 @@ def pin_leading(holder: BlockManager, block_hashes: list[int]) -> PinnedBlocks:
     return PinnedBlocks(holder, ids, block_hashes[:len(ids)])
 
 
-def install(receiver: BlockManager, block_hashes: list[int]) -> int:
-    """The received blocks enter the receiver's pool and prefix cache, unreferenced (as a finished prefill leaves
-    them), evicting its least recently used free blocks for room. Returns how many it stored."""
-    stored = 0
-    for block_hash in block_hashes[:len(receiver.free_queue)]:   # never evicting a block this pull brought
-        if block_hash in receiver.cached:
-            continue
-        if not receiver.free_queue:
+def install(receiver: BlockManager, block_hashes: list[int], block_bytes: int) -> int:
+    """The received blocks enter the receiver's pool and prefix cache as scheduler/kv_transfer.py's puller puts
+    them there: chunk by chunk, reserve() free blocks (evicting the least recently used) and adopt() them (a hash
+    already cached leaves its block plain free); a chunk the pool has no room for ends the pull there. Returns
+    how many blocks it wrote (the puller's kv_pulled_blocks)."""
+    per_chunk = max(1, CHUNK_BYTES // block_bytes)
+    written = 0
+    for start in range(0, len(block_hashes), per_chunk):
+        chunk = block_hashes[start:start + per_chunk]
+        block_ids = receiver.reserve(len(chunk))
+        if block_ids is None:
             break
-        block_id = receiver.pop_free()
-        receiver.blocks[block_id].block_hash = block_hash
-        receiver.cached[block_hash] = block_id
-        receiver.stored_events.append(block_hash)
-        receiver.release_block(block_id)
-        stored += 1
-    return stored
+        receiver.adopt(block_ids, chunk)
+        written += len(block_ids)
+    return written
 
 
 def transfer_seconds(profile: CostProfile, num_blocks: int) -> float:

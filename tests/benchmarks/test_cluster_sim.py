@@ -18,12 +18,16 @@ from benchmarks.cluster.cost_model import PROFILES, StepWork, chunk_work, load_p
 from benchmarks.cluster.long_mix import long_mix
 from benchmarks.cluster.sim_adapters import AdapterSetup
 from benchmarks.cluster.sim_disagg import DisaggregatedSim
+from benchmarks.cluster.sim_kv_pull import install
+from benchmarks.cluster.tenants_file import main as tenants_file
 from benchmarks.common import workloads
 from protos import worker_pb2
 from protos.block_hash import hash_blocks
 from protos.registration import SchedulerInfo
 from router.kv_pull import KvPull
 from router.policy import POLICIES, RoutingInput, RoutingPlan
+from scheduler.block_manager import BlockManager
+from scheduler.kv_transfer import CHUNK_BYTES
 
 SECONDS_PER_STEP = replace(PROFILES["cpu"], name="one_second_steps", fixed_s=1.0, prefill_token_s=0.0,
                            decode_seq_s=0.0, context_token_s=0.0, kv_blocks=64, prefill_context_token_s=0.0)
@@ -98,6 +102,38 @@ def test_the_prefix_index_holds_what_the_schedulers_kv_events_published():
     assert sim.nodes["sched-00"].scheduler.block_manager.cached.keys() >= set(hashes)
 
 
+@dataclass
+class SeenByRouter:
+    """Round robin that notes, per request, the prefix index's matches and the registrations it was routed on."""
+    matched: dict[str, dict[str, int]] = field(default_factory=dict)
+    waiting: dict[str, list[int]] = field(default_factory=dict)
+
+    def __call__(self, candidates: Sequence[SchedulerInfo], request: RoutingInput) -> list[SchedulerInfo]:
+        self.matched[request.request_id] = dict(request.matched_blocks)
+        self.waiting[request.request_id] = [c.num_waiting + c.num_running for c in candidates]
+        return sorted(candidates, key=lambda info: info.scheduler_id)
+
+
+def test_kv_events_reach_the_prefix_index_kv_event_lag_s_after_the_step():
+    seen = SeenByRouter()
+    sim = ClusterSim(1, SECONDS_PER_PREFILL_TOKEN, seen, kv_event_lag_s=0.5)
+    prefix = list(range(100, 132))                            # a's prefill ends at 0.33 s, its events land at 0.83
+    sim.run([SimRequest("a", 0.0, prefix + [1], 1), SimRequest("b", 0.5, prefix + [2], 1),
+             SimRequest("c", 1.0, prefix + [3], 1)])
+    assert (seen.matched["b"], seen.matched["c"]) == ({}, {"sched-00": 2})
+
+
+def test_the_router_sees_a_heartbeat_only_once_it_reads_the_registrations():
+    seen = SeenByRouter()
+    sim = ClusterSim(1, SECONDS_PER_STEP, seen, registration_read_s=0.5)   # heartbeats at 1, 2 s; reads at 0.25,
+    #                                                                          0.75, 1.25 s...
+    requests = [SimRequest("a", 0.0, list(range(100, 132)), 3)] + [
+        SimRequest(name, at, list(range(200 + 40 * i, 232 + 40 * i)), 1)
+        for i, (name, at) in enumerate((("b", 0.9), ("c", 1.2), ("d", 1.6)))]
+    sim.run(requests)
+    assert [seen.waiting[r][0] for r in "bcd"] == [0, 0, 2]    # the 1 s heartbeat (a and b there) read at 1.25 s
+
+
 @pytest.mark.parametrize("policy, second_hits", [("cache_aware", True), ("round_robin", False)])
 def test_the_real_policy_picks_among_simulated_schedulers(policy: str, second_hits: bool):
     sim = one_scheduler(SECONDS_PER_PREFILL_TOKEN, policy, num_schedulers=2)
@@ -148,7 +184,8 @@ def test_two_routers_take_arrivals_in_turn_and_each_hears_the_finishes_of_its_ow
 def test_one_router_in_a_list_runs_exactly_as_the_single_router_simulation():
     requests = workloads.load("tenants", num_requests=120)
     spec = RunSpec(4, "cache_aware", 2.0, "h100_llama8b", kv_blocks=512, num_routers=1)
-    single = ClusterSim(4, load_profile("h100_llama8b"), POLICIES["cache_aware"](), kv_blocks=512)
+    single = ClusterSim(4, load_profile("h100_llama8b"), router_policies(spec)[0], kv_blocks=512,
+                        registration_read_s=spec.registration_read_s, kv_event_lag_s=spec.kv_event_lag_s)
     single_runs = summarize(spec, single, single.run(sim_requests(requests, spec.rate, spec.seed)))
     assert run_one(spec, requests) == single_runs
     multi = run_one(replace(spec, num_routers=4), requests)
@@ -324,6 +361,19 @@ def test_pulls_from_one_holder_queue_on_its_link():
     assert [r.first_token_s - r.arrival_s for r in done[1:]] == pytest.approx([0.2, 0.4])   # one-token prefills: free
 
 
+def test_a_pull_installs_its_blocks_as_the_real_puller_does_reserve_then_adopt_chunk_by_chunk():
+    receiver = BlockManager(num_blocks=4, block_size=BLOCK_SIZE, root_hash=0)
+    receiver.adopt(receiver.reserve(1), [11])                 # hash 11 already cached, free
+    written = install(receiver, [11, 12, 13], block_bytes=CHUNK_BYTES // 2)   # two blocks a chunk
+    assert written == 3                                       # the cached hash took a block too, freed plain
+    assert set(receiver.cached) == {11, 12, 13} and receiver.num_free_blocks == 4
+    busy = BlockManager(num_blocks=4, block_size=BLOCK_SIZE, root_hash=0)
+    busy.reserve(2)                                           # held by running requests
+    assert install(busy, [1, 2, 3, 4], block_bytes=CHUNK_BYTES // 2) == 4   # the second chunk evicts the first
+    assert set(busy.cached) == {3, 4}
+    assert install(busy, [5, 6, 7], block_bytes=CHUNK_BYTES // 3) == 0     # a chunk the pool has no room for
+
+
 def test_closed_loop_clients_send_the_next_request_as_one_ends():
     sim = one_scheduler()
     done = sim.run([SimRequest(f"r{i}", 0.0, list(range(100 + 40 * i, 132 + 40 * i)), tokens)
@@ -389,3 +439,13 @@ def test_ferry_bench_cluster_compares_pd_splits_with_co_located_serving():
     assert disaggregated["disaggregation"]["transfers"] == 40 and colocated["pulls"] == 0
     assert disaggregated["tpot_s"] is not None and "disaggregation" not in colocated
     assert prefill_count("1:3", 16) == 4 and prefill_count("1:1", 64) == 32 and prefill_count("5", 16) == 5
+
+
+def test_tenants_file_writes_the_shape_asked_with_ids_folded_into_the_vocabulary(tmp_path):
+    out = tmp_path / "t.json"
+    tenants_file(["--num-tenants", "4", "--prefix-tokens", "32,48", "--max-tokens", "2,3", "--num-requests", "20",
+                  "--vocab-size", "100", "--out", str(out)])
+    requests = workloads.load_workload_file(out)
+    assert len(requests) == 20 and all(2 <= r.max_tokens <= 3 for r in requests)
+    assert all(3 <= t < 100 for r in requests for t in r.prompt_token_ids)
+    assert len({tuple(r.prompt_token_ids[:32]) for r in requests}) <= 4
