@@ -368,8 +368,9 @@ def main(argv: list[str]) -> int:
                         help="disaggregated prefill and decode, comma list: 0 (co-located), P prefill schedulers "
                              "of N (the rest decode), or a split P:D of N (e.g. 0,1:1,1:3)")
     parser.add_argument("--prefill-pick", default="heartbeat", choices=PREFILL_PICKS,
-                        help="P/D's prefill scheduler: the router's (fewest queued prompt tokens at the last "
-                             "heartbeat) or, a what-if, fewest prompt tokens this router has in flight there")
+                        help="P/D's prefill scheduler: heartbeat, the router's rule (rank_prefill: the prompt's "
+                             "deepest holder unless its queue outweighs leaving it), or in_flight, a what-if: fewest "
+                             "prompt tokens in flight there, blind to where prefixes are cached")
     parser.add_argument("--registration-read-s", type=float, default=REGISTRATION_READ_S,
                         help="how often the router reads the schedulers' registrations (0: the moment a heartbeat "
                              "writes them)")
