@@ -21,14 +21,18 @@ LORA_BLOCK_R = 64   # the rank: shrink's output columns per program, expand's re
 
 
 @triton.jit
-def _segment_rows(order_ptr, seg_starts_ptr, seg_slots_ptr, seg, length, row_tile, BLOCK_M: tl.constexpr):
-    """A row tile of a segment: (positions in order and the buffer, the rows themselves, which are real, slot)."""
+def _segment_rows(order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, BLOCK_M: tl.constexpr):
+    """This program's row tile of its segment (program ids 0 and 1): (whether the tile holds any row, positions in
+    order and the buffer, the rows themselves, which are real, the segment's slot)."""
+    seg = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    length = tl.load(seg_lengths_ptr + seg)
     start = tl.load(seg_starts_ptr + seg)
     offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = offs_m < length
     positions = start + offs_m
     rows = tl.load(order_ptr + positions, mask=valid, other=0).to(tl.int64)
-    return positions, rows, valid, tl.load(seg_slots_ptr + seg).to(tl.int64)
+    return row_tile * BLOCK_M < length, positions, rows, valid, tl.load(seg_slots_ptr + seg).to(tl.int64)
 
 
 @triton.jit
@@ -36,13 +40,10 @@ def _shrink_kernel(buffer_ptr, x_ptr, a_ptr, order_ptr, seg_starts_ptr, seg_leng
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    seg = tl.program_id(0)
-    row_tile = tl.program_id(1)
-    length = tl.load(seg_lengths_ptr + seg)
-    if row_tile * BLOCK_M >= length:
+    live, positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr,
+                                                         BLOCK_M)
+    if not live:
         return
-    positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_slots_ptr, seg, length, row_tile,
-                                                   BLOCK_M)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_valid = offs_r < R
     offs_k = tl.arange(0, BLOCK_K)
@@ -64,13 +65,10 @@ def _expand_kernel(out_ptr, buffer_ptr, b_ptr, order_ptr, seg_starts_ptr, seg_le
                    stride_ot, stride_on, stride_bs, stride_bn, stride_br,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    seg = tl.program_id(0)
-    row_tile = tl.program_id(1)
-    length = tl.load(seg_lengths_ptr + seg)
-    if row_tile * BLOCK_M >= length:
+    live, positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr,
+                                                         BLOCK_M)
+    if not live:
         return
-    positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_slots_ptr, seg, length, row_tile,
-                                                   BLOCK_M)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
