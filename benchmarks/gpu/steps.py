@@ -96,7 +96,7 @@ def cuda_tests(plan: Plan, work: Path) -> dict:
     env = os.environ | {"TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
                           "tests/unit/kernels/test_cuda_kernels.py", "tests/unit/gpu_worker/test_cuda_worker.py",
-                          "tests/unit/gpu_worker/test_sampler.py"],
+                          "tests/unit/gpu_worker/test_sampler.py", "tests/unit/gpu_worker/test_moe_grouped_mm.py"],
                          capture_output=True, text=True, env=env, timeout=400)
     print(run.stdout, run.stderr, file=sys.stderr)
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""

@@ -1,5 +1,6 @@
 """The mixture of experts without a host sync (torch._grouped_mm, group ends on the device) computes what one
-linear per expert computes, and reads nothing back to the host on its way."""
+linear per expert computes, and reads nothing back to the host on its way. On a GPU (scripts/gpu_check.sh runs this
+file) the comparison runs there too."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,10 @@ import torch
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.models.moe import MoeShape, SparseMoe, grouped_mm_works
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
-def sparse_moe(top_k: int, dtype: torch.dtype) -> SparseMoe:
+
+def sparse_moe(top_k: int, dtype: torch.dtype, device: str = "cpu") -> SparseMoe:
     shape = MoeShape(vocab_size=64, hidden_size=32, intermediate_size=0, num_layers=1, num_heads=4, num_kv_heads=2,
                      head_dim=8, rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
                      max_position_embeddings=64, num_experts=8, num_experts_per_tok=top_k,
@@ -18,7 +21,7 @@ def sparse_moe(top_k: int, dtype: torch.dtype) -> SparseMoe:
     moe = SparseMoe(shape)
     for parameter in moe.parameters():
         torch.nn.init.normal_(parameter, std=0.2)
-    return moe.to(dtype)
+    return moe.to(dtype=dtype, device=device)
 
 
 @pytest.fixture
@@ -30,11 +33,14 @@ def no_host_reads(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, refuse)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("top_k, tokens", [(2, 9), (1, 5), (3, 1)])   # some experts get no token
-def test_grouped_gemms_compute_what_one_linear_per_expert_computes(dtype, tolerance, top_k, tokens):
-    moe = sparse_moe(top_k, dtype)
-    hidden = torch.randn(tokens, 32, dtype=dtype)
+def test_grouped_gemms_compute_what_one_linear_per_expert_computes(device, dtype, tolerance, top_k, tokens):
+    moe = sparse_moe(top_k, dtype, device)
+    if not grouped_mm_works(torch.device(device), dtype, moe.experts_down.shape):
+        pytest.skip(f"this torch has no grouped GEMM for {dtype} on {device}: the per-expert path runs there")
+    hidden = torch.randn(tokens, 32, dtype=dtype, device=device)
     with torch.no_grad():
         weights, experts = moe.route(hidden)
         expected = moe.run_per_expert(hidden, weights, experts, TorchLayerOps)
