@@ -125,10 +125,18 @@ class Scheduler:
             self.waiting.append(first)
 
     def release_held(self, request_id: str) -> None:
-        """A held request joins the queue (its pull is over, whatever it brought)."""
+        """A held request joins the queue (its pull is over, whatever it brought), where its arrival puts it."""
         seq = self.held.pop(request_id, None)
         if seq is not None:
-            self.waiting.append(seq)
+            self.queue_in_arrival_order(seq)
+
+    def queue_in_arrival_order(self, seq: Sequence) -> None:
+        """Behind every waiting sequence that arrived before it and any preempted one, ahead of those that came
+        while it was held back (a pull, a grammar's compile): the wait does not cost it its place."""
+        index = len(self.waiting)
+        while index and self.waiting[index - 1].arrival > seq.arrival and not self.waiting[index - 1].num_preemptions:
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         hash_root = root_hash(self.model_name, self.config.hash_seed, request.lora_name) if request.lora_name else None
@@ -270,7 +278,7 @@ class Scheduler:
             self.structured.add_sequence(seq.request_id, seq.seq_id, seq.output_token_ids)
         for seq in [s for s in self.compiling if self.structured.is_prepared(s.request_id, s.seq_id)]:
             self.compiling.remove(seq)
-            self.waiting.append(seq)
+            self.queue_in_arrival_order(seq)
 
     def check_grammars(self) -> None:
         """Give the grammars' masks a moment (bounded) to be filled; end the requests whose grammar broke."""

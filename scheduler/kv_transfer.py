@@ -3,14 +3,15 @@ holds it (the router names the peer: ScheduleRequest.kv_source) instead of recom
 
 The holder (KvServer, behind Scheduler.FetchBlocks) checks the caller's layout, pins the leading run of the asked
 hashes that it has cached, reads them from its worker in chunks of whole blocks, streams them, and unpins them.
-The puller (KvPulls) holds the request out of the queue while it pulls: for each chunk it reserves free blocks,
-has its worker write the KV into them, and adopts them into its prefix cache as if computed here; then the request
-joins the queue, and its admission finds the pulled blocks like any cache hit. Where the two share a host (the
-holder sees the probe file the puller made in /dev/shm for this pull), a chunk goes as a shared-memory file the
-holder's worker writes and the puller's worker reads and removes, not through the three gRPC hops. Any failure (the
-peer gone, stalled PULL_STALL_S, refusing; the pool full; the worker restarting) ends the pull where it is: what
-arrived is kept, the rest is recomputed, and no request fails. The step loop never waits for a pull, nor the pull for
-a step: the workers read and write the blocks beside their steps (gpu_worker/process.py: why that is safe)."""
+The puller (KvPulls) holds the request out of the queue while it pulls: for each chunk it reserves free blocks, has
+its worker write the KV into them, and adopts them into its prefix cache as if computed here; then the request joins
+the queue where its arrival puts it (not behind what came during the pull), and its admission finds the pulled
+blocks like any cache hit. Where the two share a host (the holder sees the probe file the puller made in /dev/shm
+for this pull), a chunk goes as a shared-memory file the holder's worker writes and the puller's worker reads and
+removes, not through the three gRPC hops. Any failure (the peer gone, stalled PULL_STALL_S, refusing; the pool full;
+the worker restarting) ends the pull where it is: what arrived is kept, the rest is recomputed, and no request
+fails. The step loop never waits for a pull, nor the pull for a step: the workers read and write the blocks beside
+their steps (gpu_worker/process.py: why that is safe)."""
 from __future__ import annotations
 
 import asyncio

@@ -320,3 +320,30 @@ def test_queued_prefill_counts_a_prompt_shared_by_the_queue_once():
     other = list(range(50, 50 + 4 * BLOCK_SIZE))
     scheduler.add_request("cold", other + [7], params(2))
     assert scheduler.stats().waiting_tokens == (4 * BLOCK_SIZE + 2) + 2 + 2 + (4 * BLOCK_SIZE + 1)
+
+
+def test_a_request_held_for_its_pull_keeps_its_place_in_the_queue():
+    """fcfs: what arrived while a request's prefix was pulled waits behind it; what arrived before it, ahead."""
+    scheduler, worker = make_scheduler(max_num_seqs=1), FakeWorker()
+    scheduler.add_request("running", [5, 6, 7], params(3))
+    run_step(scheduler, worker)
+    scheduler.add_request("before", [5, 6, 8], params(3))
+    scheduler.add_request("pulled", [5, 6, 9], params(3), held=True)
+    scheduler.add_request("during", [5, 6, 10], params(3))
+    assert [s.request_id for s in scheduler.waiting] == ["before", "during"]
+    scheduler.release_held("pulled")
+    assert [s.request_id for s in scheduler.waiting] == ["before", "pulled", "during"]
+    run_to_end(scheduler, worker)
+    admitted = [new.seq_id for step in worker.steps for new in step.new_seqs]
+    assert admitted == ["running/0", "before/0", "pulled/0", "during/0"]
+
+
+def test_a_released_request_does_not_pass_a_preempted_one_at_the_front():
+    scheduler = make_scheduler()
+    scheduler.add_request("pulled", [5, 6, 9], params(3), held=True)
+    scheduler.add_request("later", [5, 6, 10], params(3))
+    preempted = scheduler.waiting.popleft()
+    preempted.num_preemptions = 1
+    scheduler.waiting.appendleft(preempted)   # as Scheduler.preempt leaves one
+    scheduler.release_held("pulled")
+    assert [s.request_id for s in scheduler.waiting] == ["later", "pulled"]
