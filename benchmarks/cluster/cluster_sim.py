@@ -245,14 +245,15 @@ class ClusterSim:
 
     def start_pull(self, node: SimNode, request: SimRequest, holder: SimNode, num_blocks: int) -> None:
         """The holder pins what it still holds of the prefix past what the receiver has cached (only missing
-        blocks are asked for, as scheduler/kv_transfer.py does) and sends it when its link is free; the request
-        enters the receiver's queue once the blocks are there."""
+        blocks are asked for, as scheduler/kv_transfer.py does) and sends it when its link is free; the request is
+        held by the receiver meanwhile and joins its queue, in its place, once the blocks are there."""
         wanted = request.block_hashes[:num_blocks]
         have = len(node.scheduler.block_manager.cached_run(wanted))
         pinned = pin_leading(holder.scheduler.block_manager, wanted[have:])
         if not pinned.block_ids:   # nothing to pull: no transfer is set up
             self.admit(node, request)
             return
+        self.add_request(node, request, held=True)
         start = max(self.now, holder.link_free_s)
         holder.link_free_s = start + transfer_seconds(self.profile, len(pinned.block_ids))
         self.at(holder.link_free_s, self.end_pull, (node, request, pinned))
@@ -262,13 +263,23 @@ class ClusterSim:
         pinned.release()
         node.pulls += 1
         node.pulled_blocks += install(node.scheduler.block_manager, pinned.block_hashes, self.profile.kv_block_bytes)
-        self.admit(node, request)
+        node.scheduler.release_held(request.request_id)
+        self.queued(node)
 
     def admit(self, node: SimNode, request: SimRequest) -> None:
         """Into the scheduler (its queue, where its adapter waits for a slot)."""
+        self.add_request(node, request)
+        self.queued(node)
+
+    @staticmethod
+    def add_request(node: SimNode, request: SimRequest, held: bool = False) -> None:
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        node.scheduler.add_request(request.request_id, request.prompt, params, lora_name=request.adapter)
-        self.publish_kv_events(node)   # as scheduler/engine_loop
+        node.scheduler.add_request(request.request_id, request.prompt, params, lora_name=request.adapter, held=held)
+
+    def queued(self, node: SimNode) -> None:
+        """A request joined the node's queue: its KV events published (as scheduler/engine_loop), a step started
+        if none runs."""
+        self.publish_kv_events(node)
         if node.step is None:
             self.start_step(node)
 

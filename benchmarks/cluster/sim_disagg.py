@@ -118,15 +118,20 @@ class DisaggregatedSim(ClusterSim):
                                                      for info in handoff.decode_ranking})
 
     def admit(self, node: SimNode, request: SimRequest) -> None:
-        handoff = self.handoffs.get(request.request_id)
-        if handoff is not None and handoff.prefill_done_s is not None:   # a decode scheduler takes it
-            self.stats.transfer_s.append(self.now - handoff.prefill_done_s)
+        self.note_handoff(request)
         super().admit(node, request)
 
     def end_pull(self, pulled: tuple[SimNode, SimRequest, PinnedBlocks]) -> None:
         self.stats.transfers += 1
         self.stats.transferred_blocks += len(pulled[2].block_ids)
+        self.note_handoff(pulled[1])
         super().end_pull(pulled)
+
+    def note_handoff(self, request: SimRequest) -> None:
+        """A decode scheduler takes a prefilled request: how long after its prefill ended."""
+        handoff = self.handoffs.get(request.request_id)
+        if handoff is not None and handoff.prefill_done_s is not None:
+            self.stats.transfer_s.append(self.now - handoff.prefill_done_s)
 
     def role_nodes(self, role: str) -> list[SimNode]:
         return [n for n in self.nodes.values() if n.identity.role == role]
