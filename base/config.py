@@ -21,6 +21,7 @@ KV_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+WORKER_OVERLAP = ("auto", "on", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
 
@@ -38,6 +39,11 @@ class EngineConfig:
     async_scheduling: bool = option(True, "the scheduler service schedules each step while its worker runs the "
                                           "previous one; off: one step at a time. The in-process Engine always "
                                           "runs one at a time", switch_off="--no-async-scheduling")
+    worker_overlap: str = option("auto", "the worker launches each step on the device before the previous step's "
+                                         "tokens are back on the host, feeding them there (with async "
+                                         "scheduling); auto: on a GPU, without tensor parallelism or a draft "
+                                         "model. On a CPU a step's tokens are ready when it ends: on only holds "
+                                         "results back", choices=WORKER_OVERLAP)
     enforce_eager: bool = option(False, "on a GPU, run every step eagerly (no CUDA graphs)",
                                  switch_on="--enforce-eager")
     max_model_len: int = option(0, "longest sequence, prompt and output, in tokens; 0: the model's "
@@ -117,6 +123,8 @@ class EngineConfig:
             raise ValueError("structured_output_compile_timeout must be positive and structured_output_compile_workers "
                              "at least 1")
         parse_speculative_config(self.speculative_config)
+        if self.worker_overlap == "on" and not self.async_scheduling:
+            raise ValueError("worker_overlap on needs async scheduling: the next step must be sent while one runs")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be fcfs, priority or fair, got {self.scheduling_policy!r}")
         if self.priority_aging_steps < 1:

@@ -20,11 +20,13 @@ from gpu_worker.lora.adapter_store import AdapterStore
 from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.model import AttentionBatch
 from gpu_worker.parallel.group import TensorParallel
-from gpu_worker.sampling.sampler import SampleRow, prompt_token_logprobs, sample
+from gpu_worker.sampling.sampler import Sampled, SampleRow, prompt_token_logprobs, sample_on_device
+from gpu_worker.staging import tensor_on, to_device
 from kernels import torch_paged
 from protos import common_pb2, worker_pb2
 
 PROMPT_LOGITS_ROWS = 256   # prompt positions whose full-vocabulary logits are held at once
+PENDING = -1               # in token_ids: the token a launched step is still sampling (read on the device)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SequenceState:
     kv_present_tokens: int = 0       # positions below this are already in (shared) blocks: don't store them
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None   # gathered over the prefill; None: not asked
     lora_name: str = ""              # the LoRA adapter it runs with ("": the base model)
+    fed_row: int = -1                # its last token is PENDING: this row of the unfinished step's sampled ids
 
 
 @dataclass
@@ -48,6 +51,10 @@ class ScheduledChunk:
     num_tokens: int
     drafts: list[int] = field(default_factory=list)   # its last num_drafts tokens: proposals to verify
 
+    def __post_init__(self) -> None:
+        # whether it reaches the end of its sequence's known tokens (once sampled, a PENDING token follows)
+        self.samples = self.end == len(self.seq.token_ids)
+
     @property
     def num_sampled_rows(self) -> int:
         return 1 + len(self.drafts) if self.samples else 0
@@ -56,9 +63,23 @@ class ScheduledChunk:
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        return self.end == len(self.seq.token_ids)
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward is queued (on a CPU: done) and whose tokens are sampled on the device."""
+    req: worker_pb2.StepRequest
+    chunks: list[ScheduledChunk]
+    launched_at: float = 0.0          # perf_counter() when launch() began
+    idle_seconds: float = 0.0         # how long the device had nothing to do before it (idle_before())
+    collectives_before: float = 0.0   # under tensor parallelism: the rank's collective seconds at its launch
+    seconds: float = 0.0              # the host's time in its forward, sampling and waiting for the ids
+    num_fed_tokens: int = 0           # input positions read from the previous step's sampled ids (feed())
+    returned_at: float = 0.0          # when launch() returned
+    sampled: Sampled | None = None    # None: no row samples
+
+    def ready(self) -> bool:
+        """Whether its tokens are on the host (finish() would not wait for the device)."""
+        return self.sampled is None or self.sampled.ready()
 
 
 @dataclass
@@ -79,10 +100,96 @@ class ModelRunner:
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
-        self.forward_seconds = 0.0
+        self.unfinished: LaunchedStep | None = None   # launched, its tokens not yet on the host (launch())
+        self.last_finished_at = 0.0                    # when the last finish() returned
+        self.num_fed = 0                               # positions the last feed() filled on the device
 
     @torch.inference_mode()
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        """One step, start to end: its tokens are on the host when it returns."""
+        if self.unfinished is not None:
+            raise RuntimeError("step() while a launched step is unfinished: finish() it first")
+        self.launch(req)
+        return self.finish()
+
+    @torch.inference_mode()
+    def launch(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult | None:
+        """Queue req's forward, then finish the step launched before it (its tokens come back while req's forward
+        runs; positions whose tokens it was still sampling read them on the device), then sample req's tokens on
+        the device. Returns that earlier step's result (None: there was none); finish() gives req's."""
+        now = time.perf_counter()
+        launched = LaunchedStep(req, self.prepare(req), now, self.idle_before(now),
+                                self.tp.collective_seconds if self.tp else 0.0)
+        logits = None
+        if launched.chunks:
+            started = time.perf_counter()
+            logits = self.forward(launched.chunks)
+            launched.num_fed_tokens = self.num_fed
+            launched.seconds = time.perf_counter() - started
+        earlier = self.finish()
+        if logits is not None:
+            started = time.perf_counter()
+            launched.sampled = self.sample_on_device(launched.chunks, logits, req)
+            launched.seconds += time.perf_counter() - started
+        self.unfinished = launched
+        launched.returned_at = time.perf_counter()
+        return earlier
+
+    def idle_before(self, now: float) -> float:
+        """How long the device has had nothing to do: since the last step finished, or since the unfinished one's
+        launch returned if it is done (on a CPU it is, once launch() returns; on a GPU this bounds the wait from
+        above), else 0: it still computes."""
+        if self.unfinished is None:
+            return now - self.last_finished_at if self.last_finished_at else 0.0
+        if self.device.type == "cpu" or self.unfinished.ready():
+            return now - self.unfinished.returned_at
+        return 0.0
+
+    @torch.inference_mode()
+    def finish(self) -> worker_pb2.StepResult | None:
+        """The launched step's result once its tokens are on the host (None: no step is unfinished)."""
+        launched, self.unfinished = self.unfinished, None
+        if launched is None:
+            return None
+        result = self.result_of(launched)
+        self.last_finished_at = time.perf_counter()
+        result.idle_seconds = launched.idle_seconds
+        result.busy_seconds = self.last_finished_at - launched.launched_at
+        return result
+
+    def result_of(self, launched: LaunchedStep) -> worker_pb2.StepResult:
+        """Its tokens to the host, kept by their sequences (and proposed after, with a draft model)."""
+        result = worker_pb2.StepResult(step_id=launched.req.step_id, num_fed_tokens=launched.num_fed_tokens)
+        if not launched.chunks:
+            return result
+        tokens, logprobs = [], []
+        if launched.sampled is not None:
+            started = time.perf_counter()
+            tokens, logprobs = launched.sampled.to_host()
+            launched.seconds += time.perf_counter() - started
+        result.forward_seconds = launched.seconds
+        if self.tp is not None:
+            tokens = self.tp.same_tokens(tokens)
+            result.collective_seconds = self.tp.collective_seconds - launched.collectives_before
+        row, sampled = 0, []
+        for chunk in launched.chunks:
+            num_rows = chunk.num_sampled_rows
+            kept = verified(chunk.drafts, tokens[row:row + num_rows])
+            self.keep(chunk, kept, logprobs[row:row + len(kept)], result)
+            row += num_rows
+            if num_rows:
+                sampled.append(chunk.seq)
+        if self.draft is not None and launched.req.num_proposals:
+            started = time.perf_counter()
+            proposals = self.draft.propose(sampled, launched.req.num_proposals, self.decode_batch)
+            result.proposals.extend(worker_pb2.Proposal(seq_id=seq_id, token_ids=proposed)
+                                    for seq_id, proposed in proposals.items())
+            result.forward_seconds += time.perf_counter() - started
+        return result
+
+    def prepare(self, req: worker_pb2.StepRequest) -> list[ScheduledChunk]:
+        """Apply what comes before the step's forward (freed sequences, block copies, adapters); its chunks in row
+        order: decodes first, shortest context first, then prefill chunks (each attention group a run of rows)."""
         for seq_id in req.freed_seq_ids:
             self.seqs.pop(seq_id, None)
         for copy in req.block_copies:
@@ -94,38 +201,53 @@ class ModelRunner:
         for placed in req.lora_slots:
             self.lora.place(placed.slot, self.adapters.get(placed.name))
         chunks = self.register(req)
-        result = worker_pb2.StepResult(step_id=req.step_id)
-        if not chunks:
-            return result
+        chunks.sort(key=self.row_order)
+        return chunks
+
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """The sampling rows' logits (None: no row samples), queued on the device."""
+        forward = self.graph_forward(chunks) if self.replays(chunks) else self.eager_forward(chunks)
+        return forward()
+
+    def sample_on_device(self, chunks: list[ScheduledChunk], logits: torch.Tensor, req: worker_pb2.StepRequest
+                         ) -> Sampled:
+        """Sample the chunks' rows on the device; each sequence that gains one token holds it as PENDING until
+        finish(), a later step's position reading it from the sampled ids."""
         bitmasks: dict[str, list[bytes]] = {}
         for mask in req.token_bitmasks:   # one per position it samples at
             bitmasks.setdefault(mask.seq_id, []).append(mask.bits)
-        collectives_before = self.tp.collective_seconds if self.tp else 0.0
-        tokens, logprobs = self.run(chunks, bitmasks)
-        result.forward_seconds = self.forward_seconds
-        if self.tp is not None:
-            tokens = self.tp.same_tokens(tokens)
-            result.collective_seconds = self.tp.collective_seconds - collectives_before
-        row, sampled = 0, []
+        rows = [row for c in chunks for row in sample_rows(c, bitmasks.get(c.seq.seq_id, []))]
+        sampled = sample_on_device(logits, rows, self.generator, self.eos_token_ids)
+        row = 0
         for chunk in chunks:
-            num_rows = chunk.num_sampled_rows
-            kept = verified(chunk.drafts, tokens[row:row + num_rows])
-            self.keep(chunk, kept, logprobs[row:row + len(kept)], result)
-            row += num_rows
-            if num_rows:
-                sampled.append(chunk.seq)
-        if self.draft is not None and req.num_proposals:
-            started = time.perf_counter()
-            proposals = self.draft.propose(sampled, req.num_proposals, self.decode_batch)
-            result.proposals.extend(worker_pb2.Proposal(seq_id=seq_id, token_ids=proposed)
-                                    for seq_id, proposed in proposals.items())
-            result.forward_seconds += time.perf_counter() - started
-        return result
+            if chunk.samples and not chunk.drafts:
+                chunk.seq.token_ids.append(PENDING)
+                chunk.seq.fed_row = row
+            row += chunk.num_sampled_rows
+        return sampled
+
+    def fed_rows(self, chunks: list[ScheduledChunk]) -> list[tuple[int, int]]:
+        """(input row, row of the unfinished step's sampled ids) for each position whose token it is sampling."""
+        pairs, row = [], 0
+        for chunk in chunks:
+            pending = len(chunk.seq.token_ids) - 1
+            if chunk.seq.fed_row >= 0 and chunk.start <= pending < chunk.end:
+                pairs.append((row + pending - chunk.start, chunk.seq.fed_row))
+            row += chunk.num_tokens
+        return pairs
+
+    def feed(self, input_ids: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+        """The pending tokens into input_ids, device to device: the host never waits for them."""
+        pairs = self.fed_rows(chunks)
+        self.num_fed = len(pairs)
+        if pairs:
+            rows, sampled_rows = zip(*pairs)
+            tokens = self.unfinished.sampled.tokens[tensor_on(sampled_rows, torch.long, self.device)]
+            input_ids[tensor_on(rows, torch.long, self.device)] = tokens.to(input_ids.dtype)
 
     def decode_batch(self, rows: list[tuple[SequenceState, int]]) -> AttentionBatch:
         """One decode row per (sequence, position), for the draft model's proposals."""
-        slots = torch.tensor([self.slot_of(seq, position) for seq, position in rows], dtype=torch.long,
-                             device=self.device)
+        slots = tensor_on([self.slot_of(seq, position) for seq, position in rows], torch.long, self.device)
         meta = self.metadata([ScheduledChunk(seq, position, 1) for seq, position in rows])
         return AttentionBatch(self.backend, slots, [(slice(0, len(rows)), meta)])
 
@@ -133,7 +255,9 @@ class ModelRunner:
     def keep(chunk: ScheduledChunk, kept: list[int], logprobs: list, result: worker_pb2.StepResult) -> None:
         """The chunk's sampled tokens join its sequence (its rejected proposals leave it) and the result."""
         seq = chunk.seq
-        del seq.token_ids[len(seq.token_ids) - len(chunk.drafts):]
+        unknown = len(chunk.drafts) + (seq.fed_row >= 0)   # its proposals, or the token held PENDING
+        del seq.token_ids[len(seq.token_ids) - unknown:]
+        seq.fed_row = -1
         seq.num_computed_tokens = chunk.end - len(chunk.drafts) + max(0, len(kept) - 1)
         for token, logprob in zip(kept, logprobs):
             seq.token_ids.append(token)
@@ -170,22 +294,6 @@ class ModelRunner:
                 raise ValueError(f"sequence {chunk.seq.seq_id}: scheduled past its known tokens")
         return chunks
 
-    def run(self, chunks: list[ScheduledChunk], bitmasks: dict[str, list[bytes]]) -> tuple[list[int], list]:
-        """The step's forward, then sampling; forward_seconds covers both (on a GPU, sampling's ids coming back
-        is what waits for the forward)."""
-        # Decodes first, shortest context first, then prefill chunks: each attention group is a run of rows.
-        chunks.sort(key=self.row_order)
-        forward = self.graph_forward(chunks) if self.replays(chunks) else self.eager_forward(chunks)
-        started = time.perf_counter()
-        logits = forward()
-        if logits is None:
-            self.forward_seconds = time.perf_counter() - started
-            return [], []
-        rows = [row for c in chunks for row in sample_rows(c, bitmasks.get(c.seq.seq_id, []))]
-        sampled = sample(logits, rows, self.generator, self.eos_token_ids)
-        self.forward_seconds = time.perf_counter() - started
-        return sampled
-
     def row_order(self, chunk: ScheduledChunk) -> tuple:
         """Decodes first, shortest context first, then prefill chunks; with LoRA on a backend that runs all decodes
         as one group, by adapter first, so that the rows of an adapter are adjacent (kernels/cpu_lora.py)."""
@@ -203,20 +311,22 @@ class ModelRunner:
         """The step's inputs in the graphs' buffers; the returned call replays and gives the logits."""
         rows = DecodeRows([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
                           [self.slot_of(c.seq, c.start) for c in chunks], [c.seq.block_ids for c in chunks])
-        return self.graphs.prepare(rows)
+        replay = self.graphs.prepare(rows)
+        self.feed(self.graphs.inputs.input_ids, chunks)
+        return replay
 
     def eager_forward(self, chunks: list[ScheduledChunk]) -> Callable[[], torch.Tensor | None]:
         """The step's inputs and attention metadata; the returned call runs the model and gives the sampling
         rows' logits (None: no row samples)."""
         input_ids, positions, slots = self.pack(chunks)
+        self.feed(input_ids, chunks)
         batch = self.attention_batch(chunks, slots)
         if self.lora is not None:
             self.lora.set_rows([self.lora.slot_of(c.seq.lora_name) for c in chunks for _ in range(c.num_tokens)])
         lengths = torch.tensor([c.num_tokens for c in chunks])
         ends = lengths.cumsum(0) - 1
-        logit_rows = torch.tensor([row for c, end in zip(chunks, ends.tolist())
-                                   for row in range(end - c.num_sampled_rows + 1, end + 1)],
-                                  dtype=torch.long).to(self.device)
+        logit_rows = tensor_on([row for c, end in zip(chunks, ends.tolist())
+                                for row in range(end - c.num_sampled_rows + 1, end + 1)], torch.long, self.device)
 
         def forward() -> torch.Tensor | None:
             hidden = self.model(input_ids, positions, self.pool.layers, batch)
@@ -259,7 +369,7 @@ class ModelRunner:
             input_ids.extend(c.seq.token_ids[c.start:c.end])
             positions.extend(range(c.start, c.end))
             slots.extend(self.slot_of(c.seq, p) for p in range(c.start, c.end))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        as_tensor = lambda xs: tensor_on(xs, torch.long, self.device)  # noqa: E731
         return as_tensor(input_ids), as_tensor(positions), as_tensor(slots)
 
     def attention_batch(self, chunks: list[ScheduledChunk], slots: torch.Tensor) -> AttentionBatch:
@@ -302,7 +412,7 @@ class ModelRunner:
             tables[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         context_lens = torch.tensor([c.end for c in chunks], dtype=torch.int32)
         query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32)
-        to = lambda t: t.to(self.device)  # noqa: E731
+        to = lambda t: to_device(t, self.device)  # noqa: E731
         # query_lens stays on the host: the backends read its longest entry, which on a GPU would wait for it
         if window is not None and self.model.attention_softcap:
             return torch_paged.prepare(to(tables), to(context_lens), query_lens, self.pool.block_size, window,

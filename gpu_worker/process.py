@@ -18,6 +18,8 @@ from protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 STEP_ORDER_WAIT_S = 5.0
+OVERLAP_POLL_S = 0.0002     # with overlap on a GPU: how often a launched step's readiness is asked
+OVERLAP_WAIT_CPU_S = 0.02   # with overlap on a CPU: how long a done step waits for the next before it answers
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -34,6 +36,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.poison_token = poison_token()   # tests only (gpu_worker/fault.py)
         self.order = threading.Condition()
         self.last_submitted_step_id = 0
+        self.unfinished: tuple | None = None   # with overlap: the launched step's (answer, span, request)
 
     def Init(self, request: worker_pb2.InitRequest, context: grpc.ServicerContext) -> worker_pb2.InitResponse:
         import torch
@@ -78,8 +81,50 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request: worker_pb2.StepRequest, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         crash_if_poisoned(request, self.poison_token)
+        if self.worker.overlaps:
+            done = futures.Future()
+            self.in_step_order(request, lambda: self.compute.submit(self.overlapped_step, request, done))
+            return done.result()
         step = self.traced_step if request.traceparents else self.worker.step
         return self.in_step_order(request, lambda: self.compute.submit(step, request)).result()
+
+    def overlapped_step(self, request: worker_pb2.StepRequest, done: futures.Future) -> None:
+        """On the compute thread: launch the step, which finishes the one launched before it; finish this one
+        too unless the next step has come meanwhile (its launch will: the device goes from one to the next)."""
+        span = self.tracing.tracer.start_span("worker.step", links=links_to(request.traceparents)) \
+            if request.traceparents else None
+        try:
+            earlier = self.worker.launch(request)
+        except Exception as e:   # the scheduler replaces the worker on a failed step: both fail
+            self.settle_unfinished(lambda: None, error=e)
+            settle(done, span, request, error=e)
+            return
+        if self.unfinished is not None:
+            settle(*self.unfinished, result=earlier)
+        self.unfinished = (done, span, request)
+        if not self.next_step_came(request.step_id):
+            self.settle_unfinished(self.worker.finish)
+
+    def next_step_came(self, step_id: int) -> bool:
+        """Wait for the step after step_id (True) or for step_id's tokens to be ready (False). On a CPU they are
+        ready at once: there it waits OVERLAP_WAIT_CPU_S for the next step (worker_overlap on, tests)."""
+        waited_enough = time.monotonic() + (OVERLAP_WAIT_CPU_S if self.worker.device_type == "cpu" else 0.0)
+        with self.order:
+            while self.last_submitted_step_id == step_id:
+                if self.worker.launched_ready() and time.monotonic() >= waited_enough:
+                    return False
+                self.order.wait(timeout=OVERLAP_POLL_S)
+        return True
+
+    def settle_unfinished(self, finish, error: Exception | None = None) -> None:
+        if self.unfinished is None:
+            return
+        (done, span, request), self.unfinished = self.unfinished, None
+        try:
+            result = finish() if error is None else None
+        except Exception as e:
+            error = e
+        settle(done, span, request, result=result, error=error)
 
     def in_step_order(self, request: worker_pb2.StepRequest, submit):
         """Hand steps to the compute thread in the order they were sent: with async scheduling the next step
@@ -98,13 +143,29 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """One step span, linked to every request span it served (a step serves many traces at once)."""
         with self.tracing.tracer.start_as_current_span("worker.step", links=links_to(request.traceparents)) as span:
             result = self.worker.step(request)
-            span.set_attributes({"ferry.step_id": request.step_id, "ferry.num_new_seqs": len(request.new_seqs),
-                                 "ferry.num_cached_seqs": len(request.cached_seqs),
-                                 "ferry.num_scheduled_tokens": sum(s.num_scheduled_tokens for s in request.new_seqs)
-                                 + sum(s.num_scheduled_tokens for s in request.cached_seqs),
-                                 "ferry.num_sampled": len(result.sampled),
-                                 "ferry.forward_seconds": result.forward_seconds})
+            span.set_attributes(step_attributes(request, result))
             return result
+
+
+def step_attributes(request: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> dict:
+    return {"ferry.step_id": request.step_id, "ferry.num_new_seqs": len(request.new_seqs),
+            "ferry.num_cached_seqs": len(request.cached_seqs),
+            "ferry.num_scheduled_tokens": sum(s.num_scheduled_tokens for s in request.new_seqs)
+            + sum(s.num_scheduled_tokens for s in request.cached_seqs),
+            "ferry.num_sampled": len(result.sampled), "ferry.forward_seconds": result.forward_seconds}
+
+
+def settle(done: futures.Future, span, request: worker_pb2.StepRequest,
+           result: worker_pb2.StepResult | None = None, error: Exception | None = None) -> None:
+    """An overlapped step's call answered (and its span, if traced, ended)."""
+    if span is not None:
+        if result is not None:
+            span.set_attributes(step_attributes(request, result))
+        span.end()
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -91,6 +90,19 @@ def kv_cache_bytes(req: worker_pb2.InitRequest, make_runner, shape, dtype: torch
     return plan.checked_kv_bytes(block_bytes(shape, block_size, dtype))
 
 
+def overlaps(setting: str, device: torch.device, tp: TensorParallel | None, draft) -> bool:
+    """Whether steps launch before the previous one's tokens are back (worker_overlap): auto on a GPU. Never under
+    tensor parallelism (rank 0 hands its ranks whole steps) or with a draft model (it proposes from the step's
+    tokens on the host)."""
+    if setting == "off":
+        return False
+    if tp is not None or draft is not None:
+        if setting == "on":
+            raise ValueError("worker_overlap on: not with tensor parallelism or a draft model")
+        return False
+    return setting == "on" or device.type == "cuda"
+
+
 def capturable(model: torch.nn.Module, backend) -> bool:
     """CUDA graphs need a backend whose metadata the kernels read at launch (Triton's) and a forward that never
     waits for the device (no softcapped scores, which take the torch path; no mixture of experts, whose routing
@@ -104,7 +116,7 @@ class Worker:
 
     def __init__(self, tp: TensorParallel | None = None, exit_with_group: bool = False) -> None:
         self.runner: ModelRunner | None = None
-        self.last_step_ended = 0.0
+        self.overlaps = False   # steps are launched ahead of the previous one's tokens (launch(); worker_overlap)
         self.tp = tp
         self.followers: Followers | None = None   # rank 0's ranks 1..N-1
         self.exit_with_group = exit_with_group    # a worker process: a rank's death ends it (group.py)
@@ -161,6 +173,7 @@ class Worker:
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
                                               max_model_len, device)
             self.runner.graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()))
+        self.overlaps = overlaps(req.worker_overlap or "auto", device, self.tp, draft)
         info = device_info(device, dtype)
         log.info("worker ready: %s on %s, %d KV blocks of %d tokens", model_dir.name,
                  " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)
@@ -254,13 +267,29 @@ class Worker:
             raise ValueError("KV transfer with tensor parallelism or a draft model is not supported yet")
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
+        """One step, start to end."""
         if self.runner is None:
             raise RuntimeError("Worker.step called before Worker.init")
         if self.followers is not None:
             self.followers.send(STEP, req)
-        started = time.perf_counter()
-        result = self.runner.step(req)
-        result.idle_seconds = started - self.last_step_ended if self.last_step_ended else 0.0
-        self.last_step_ended = time.perf_counter()
-        result.busy_seconds = self.last_step_ended - started
-        return result
+        return self.runner.step(req)
+
+    def launch(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult | None:
+        """With overlap: start req on the device before the step launched before it is finished (its tokens feed
+        req's positions there); that step's result, or None. finish() gives req's (ModelRunner.launch)."""
+        if not self.overlaps:
+            raise RuntimeError("Worker.launch without overlap (Worker.step runs one step at a time)")
+        return self.runner.launch(req)
+
+    def finish(self) -> worker_pb2.StepResult | None:
+        """The launched step's result (None: none is unfinished)."""
+        return self.runner.finish() if self.runner is not None else None
+
+    @property
+    def device_type(self) -> str:
+        return self.runner.device.type if self.runner is not None else "cpu"
+
+    def launched_ready(self) -> bool:
+        """Whether finish() would return without waiting for the device."""
+        unfinished = self.runner.unfinished if self.runner is not None else None
+        return unfinished is None or unfinished.ready()

@@ -135,6 +135,10 @@ class SchedulerMetrics:
                                            registry=self.registry)
         self.worker_busy = Counter("ferry:worker_step_seconds", "Time the worker spent in its forward passes and "
                                    "sampling.", ["model_name"], registry=self.registry).labels(model_name)
+        self.worker_fed_tokens = Counter("ferry:worker_fed_tokens", "With worker overlap, the input tokens a step "
+                                         "read from the previous step's sampled ids on the device, launched before "
+                                         "they were on the host.", ["model_name"],
+                                         registry=self.registry).labels(model_name)
         self.worker_collectives = Counter("ferry:worker_collective_seconds", "Of the worker's step time, the time "
                                           "rank 0 spent in the tensor-parallel ranks' collectives (all-reduces, "
                                           "logits gathered).", ["model_name"],
@@ -246,6 +250,7 @@ class SchedulerTelemetry:
         self.metrics.worker_idle.inc(result.idle_seconds)
         self.metrics.worker_busy.inc(result.forward_seconds)
         self.metrics.worker_collectives.inc(result.collective_seconds)
+        self.metrics.worker_fed_tokens.inc(result.num_fed_tokens)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         now, records, inter_token = self.clock(), self.records, self.metrics.inter_token

@@ -1,6 +1,8 @@
-"""`ferry bench async`: output tok/s of the scheduler service with async scheduling on against off, on the same
-requests, in alternating rounds: `ferry up --num-schedulers 1`, all requests sent at once; the worker's waits between
-steps and its time in steps read from the scheduler's `ferry:worker_idle_seconds` and `ferry:worker_step_seconds`.
+"""`ferry bench async`: output tok/s of the scheduler service with async scheduling on against off, and with the
+worker's overlap forced on (each step launched before the previous one's tokens are back, fed on the device), on the
+same requests, in alternating rounds: `ferry up --num-schedulers 1`, all requests sent at once; the worker's waits
+between steps, its time in steps and the tokens fed on the device read from the scheduler's
+`ferry:worker_idle_seconds`, `ferry:worker_step_seconds` and `ferry:worker_fed_tokens`.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from benchmarks.services.serve import run_load
 from benchmarks.services.served_stack import ServedStack
 from ferry.launcher import free_port
 
-MODES = {"on": [], "off": ["--no-async-scheduling"]}
+MODES = {"on": ["--worker-overlap", "off"], "off": ["--no-async-scheduling", "--worker-overlap", "off"],
+         "overlap": ["--worker-overlap", "on"]}
 
 
 def counter(metrics_url: str, name: str) -> float:
@@ -32,9 +35,10 @@ def served(requests: list[BenchRequest], engine_flags: list[str]) -> dict:
         result = asyncio.run(run_load(requests, stack.router, float("inf"), len(requests)))
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         idle, busy = (counter(metrics_url, f"ferry:worker_{name}_seconds") for name in ("idle", "step"))
+        fed = counter(metrics_url, "ferry:worker_fed_tokens")
     return {"output_tokens_per_s": round(result["output_tokens_per_s"], 1),
             "duration_s": round(result["duration_s"], 2), "worker_idle_s": round(idle, 3),
-            "worker_busy_s": round(busy, 3)}
+            "worker_busy_s": round(busy, 3), "fed_tokens": int(fed)}
 
 
 def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
@@ -49,6 +53,8 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
     total = lambda mode, key: sum(r[key] for r in rounds if r["mode"] == mode)  # noqa: E731
     return {"workload": args.workload, "num_requests": len(requests), "rounds": rounds,
             "tok_s_on_over_off": round(total("on", "output_tokens_per_s") / total("off", "output_tokens_per_s"), 3),
+            "tok_s_overlap_over_on": round(total("overlap", "output_tokens_per_s")
+                                           / total("on", "output_tokens_per_s"), 3),
             "worker_idle_share": {mode: round(total(mode, "worker_idle_s") / total(mode, "duration_s"), 4)
                                   for mode in MODES}}
 

@@ -7,6 +7,7 @@ import torch
 
 from base.sampling_params import SamplingParams
 from gpu_worker.sampling.sample_row import SampleRow
+from gpu_worker.staging import tensor_on, to_device
 
 BITS = torch.arange(32, dtype=torch.int32)
 
@@ -23,8 +24,9 @@ def apply_adjustments(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids
             apply_logit_bias(logits[i], row.params.logit_bias)
     masked = [i for i, row in enumerate(rows) if row.bitmask is not None]
     if masked:
-        allowed = unpack_bitmasks([rows[i].bitmask for i in masked], logits.shape[1]).to(logits.device)
-        logits[masked] = logits[masked].masked_fill(~allowed, float("-inf"))
+        allowed = to_device(unpack_bitmasks([rows[i].bitmask for i in masked], logits.shape[1]), logits.device)
+        index = tensor_on(masked, torch.long, logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     for i, row in enumerate(rows):
         if row.num_output_tokens < row.params.min_tokens:
             mask_stop_tokens(logits[i], stop_token_ids(row.params, eos_token_ids))
@@ -40,7 +42,8 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None
     """logits: one float32 row. Ids past the vocabulary are ignored (the scheduler refuses them)."""
     ids = [t for t in logit_bias if t < logits.shape[0]]
     if ids:
-        logits[ids] += torch.tensor([logit_bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+        logits[tensor_on(ids, torch.long, logits.device)] += tensor_on([logit_bias[t] for t in ids], logits.dtype,
+                                                                        logits.device)
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:
@@ -48,8 +51,7 @@ def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> li
 
 
 def mask_stop_tokens(logits: torch.Tensor, token_ids: list[int]) -> None:
-    ids = torch.tensor([t for t in token_ids if t < logits.shape[0]], dtype=torch.long, device=logits.device)
-    kept = logits[ids].clone()
-    logits[ids] = float("-inf")
-    if not torch.isfinite(logits).any():
-        logits[ids] = kept
+    """Decided on the device (no token left: nothing masked), not read back to the host."""
+    ids = tensor_on([t for t in token_ids if t < logits.shape[0]], torch.long, logits.device)
+    masked = logits.index_fill(0, ids, float("-inf"))
+    logits.copy_(torch.where(torch.isfinite(masked).any(), masked, logits))

@@ -5,37 +5,76 @@ Runs on the logits' own device: on a GPU only the sampled ids (and any logprobs 
 Seeded rows draw from a generator on that device, so a seed gives one result on a GPU and another on a CPU."""
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
+
 import torch
 import xxhash
 
 from base.sampling_params import SamplingParams
 from gpu_worker.sampling.logit_masks import adjusts_logits, apply_adjustments
 from gpu_worker.sampling.sample_row import SampleRow
+from gpu_worker.staging import tensor_on
 from kernels import cpu_layers
 from protos import common_pb2
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator, eos_token_ids: tuple[int, ...] = ()
            ) -> tuple[list[int], list[common_pb2.TokenLogprob | None]]:
-    """logits [R, V] in the model's dtype, one row per sequence → one token id per row (+ logprobs where asked).
+    """logits [R, V] in the model's dtype, one row per sequence → one token id per row (+ logprobs where asked)."""
+    return sample_on_device(logits, rows, generator, eos_token_ids).to_host()
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator,
+                     eos_token_ids: tuple[int, ...] = ()) -> Sampled:
+    """The ids (and logprobs) on the logits' device, nothing read back: a launched step's forward may follow.
     Plain greedy rows take the argmax as they are; everything else is computed in float32."""
     adjusted = [r for r in rows if adjusts_logits(r)]
     if not adjusted and all(is_plain_greedy(r.params) for r in rows):
-        return greedy_tokens(logits).tolist(), [None] * len(rows)
+        return Sampled.of(greedy_tokens(logits), None, [None] * len(rows))
     logits = logits.float()
     if adjusted:
         apply_adjustments(logits, rows, eos_token_ids)
     apply_penalties(logits, rows)
-    want_logprobs = [r.params.logprobs is not None for r in rows]
-    logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    tops = [r.params.logprobs for r in rows]
+    logprobs = torch.log_softmax(logits, dim=-1) if any(top is not None for top in tops) else None
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
-        tokens[random_rows] = sample_random(logits[random_rows], [rows[i] for i in random_rows], generator)
-    token_list = tokens.tolist()
-    entries = [token_logprob(logprobs[i], token_list[i], rows[i].params.logprobs) if want else None
-               for i, want in enumerate(want_logprobs)]
-    return token_list, entries
+        index = tensor_on(random_rows, torch.long, logits.device)
+        tokens[index] = sample_random(logits[index], [rows[i] for i in random_rows], generator)
+    return Sampled.of(tokens, logprobs, tops)
+
+
+@dataclass
+class Sampled:
+    """A step's sampled ids on the device, on their way to the host; to_host() waits for them."""
+    tokens: torch.Tensor                 # [R] int64, on the logits' device
+    logprobs: torch.Tensor | None        # [R, V] float32, where some row asked for logprobs
+    tops: list[int | None]               # each row's top-n logprobs asked (None: no logprobs)
+    host: torch.Tensor | None = None     # the ids' copy in host memory (on a GPU: pinned, filled when `copied`)
+    copied: object = None                # on a GPU: the event recorded after that copy
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, logprobs: torch.Tensor | None, tops: list[int | None]) -> Sampled:
+        sampled = cls(tokens, logprobs, tops, host=tokens)
+        if tokens.device.type == "cuda":
+            sampled.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            sampled.host.copy_(tokens, non_blocking=True)
+            sampled.copied = torch.cuda.Event()
+            sampled.copied.record()
+        return sampled
+
+    def ready(self) -> bool:
+        """Whether to_host() would return without waiting for the device."""
+        return self.copied is None or self.copied.query()
+
+    def to_host(self) -> tuple[list[int], list[common_pb2.TokenLogprob | None]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        token_list = self.host.tolist()
+        return token_list, [None if top is None else token_logprob(self.logprobs[i], token_list[i], top)
+                            for i, top in enumerate(self.tops)]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -56,14 +95,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, row in enumerate(rows):
         p = row.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
+            seen = tensor_on(sorted(set(row.token_ids)), torch.long, logits.device)
             values = logits[i, seen]
             logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if p.presence_penalty or p.frequency_penalty:
             output = row.token_ids[row.num_prompt_tokens:]
-            if output:
-                ids, counts = torch.tensor(output, dtype=torch.long, device=logits.device).unique(return_counts=True)
-                logits[i, ids] -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty
+            if output:   # counted on the host: unique() on a GPU waits for it to know its output's size
+                counts = Counter(output)
+                ids = tensor_on(list(counts), torch.long, logits.device)
+                times = tensor_on(list(counts.values()), logits.dtype, logits.device)
+                logits[i, ids] -= p.frequency_penalty * times + p.presence_penalty
 
 
 def sample_random(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator) -> torch.Tensor:
@@ -84,7 +125,7 @@ def sample_random(logits: torch.Tensor, rows: list[SampleRow], generator: torch.
 
 def row_values(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """One value per row, as a tensor of like's dtype on like's device."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return tensor_on(values, like.dtype, like.device)
 
 
 def mask_top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -92,7 +133,7 @@ def mask_top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     top_ks = [r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in rows]
     if all(k == vocab_size for k in top_ks) and all(r.params.top_p >= 1.0 for r in rows):
         return logits
-    top_k = torch.tensor(top_ks, device=logits.device)
+    top_k = tensor_on(top_ks, torch.long, logits.device)
     top_p = row_values([r.params.top_p for r in rows], logits)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)

@@ -127,15 +127,17 @@ def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, 
     assert set(result["ratios"]) == {"served/offline", "traced/untraced"}
 
 
-def test_async_bench_serves_the_same_requests_with_async_scheduling_on_and_off_and_reads_the_workers_time(
+def test_async_bench_serves_the_same_requests_with_async_scheduling_on_off_and_overlapped_and_reads_the_workers_time(
         tiny_llama_dir, tmp_path):
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 5 + n)), "max_tokens": 6} for n in (4, 9)]))
     result = run_bench("async", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
                        str(workload), "--kv-cache-memory", "4000000", "--rounds", "1")
-    assert [r["mode"] for r in result["rounds"]] == ["on", "off"]
+    assert [r["mode"] for r in result["rounds"]] == ["on", "off", "overlap"]
     assert all(r["worker_busy_s"] > 0 and r["worker_idle_s"] >= 0 for r in result["rounds"])
-    assert set(result["worker_idle_share"]) == {"on", "off"} and result["tok_s_on_over_off"] > 0
+    assert set(result["worker_idle_share"]) == {"on", "off", "overlap"} and result["tok_s_on_over_off"] > 0
+    fed = {r["mode"]: r["fed_tokens"] for r in result["rounds"]}
+    assert fed["overlap"] > 0 and fed["on"] == fed["off"] == 0
 
 
 def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_prefixes():

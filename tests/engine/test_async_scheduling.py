@@ -36,6 +36,28 @@ def run_pipelined(scheduler: Scheduler, worker, depth: int, abort: dict[int, str
     return collect(outputs) + (ahead,)
 
 
+def run_overlapped(scheduler: Scheduler, worker, abort: dict[int, str] | None = None
+                   ) -> tuple[dict[str, list[int]], dict[str, str], int]:
+    """Drive the scheduler as the service does with a worker that overlaps (gpu_worker/process.py): each step is
+    launched as soon as it is built, which finishes the one before it; the last one is finished when nothing more
+    can be built. Returns what run_pipelined does."""
+    sent, outputs, ahead, built = deque(), [], 0, 0
+    while scheduler.has_unfinished_requests() or sent:
+        step = scheduler.schedule() if len(sent) < 2 else None
+        if step is not None:
+            ahead += bool(sent)
+            sent.append(step)
+            built += 1
+            result = worker.launch(step)
+            if abort and built in abort:
+                scheduler.abort_request(abort[built])
+        else:
+            result = worker.finish()
+        if result is not None:
+            outputs += scheduler.update(sent.popleft(), result)
+    return collect(outputs) + (ahead,)
+
+
 def collect(outputs: list[RequestOutput]) -> tuple[dict[str, list[int]], dict[str, str]]:
     tokens, reasons = {}, {}
     for out in outputs:
@@ -136,3 +158,54 @@ def test_the_real_worker_gives_the_same_tokens_with_two_steps_in_flight_as_with_
         assert (ahead > 0) == (depth == 2)
         assert engine.stats().num_free_blocks == engine.info.num_blocks and engine.stats().num_preemptions > 0
     assert outputs[2] == outputs[1]
+
+
+def test_a_worker_that_launches_each_step_before_the_last_ones_tokens_are_back_gives_the_same_tokens(
+        tiny_llama_dir, monkeypatch) -> None:
+    """worker_overlap: the tokens a step samples feed the next step's positions on the device (here a CPU), never
+    read by the host first; seeds, parallel samples, stop tokens, penalties, logprobs, a grammar, preemption and
+    aborts give what one step at a time gives."""
+    from gpu_worker.model_runner import ModelRunner
+
+    fed = []
+    fed_rows = ModelRunner.fed_rows
+    monkeypatch.setattr(ModelRunner, "fed_rows", lambda runner, chunks: fed.extend(fed_rows(runner, chunks))
+                        or fed_rows(runner, chunks))
+    prompts = random_prompts(seed=4, count=11, lengths=range(3, 40))
+    params_list = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True) for i in range(5)] + [
+        SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, top_k=20, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(17, 41, 99)),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.2,
+                       frequency_penalty=0.5, presence_penalty=0.3, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6, logit_bias={5: 3.0}),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                       structured_output=StructuredOutput("regex", "[ab]{3,12}"))]
+    outputs = {}
+    for overlap in ("off", "on"):
+        engine = tiny_engine(tiny_llama_dir, kv_cache_memory=24 * 2 * 2 * 4 * 2 * 16 * 4,
+                             max_num_batched_tokens=32, worker_overlap=overlap)   # 24 blocks: preemptions
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            engine.add_request(f"r{i}", prompt, p)
+        while engine.scheduler.compiling:   # the grammar compiles on a thread
+            engine.scheduler.queue_compiled()
+        abort = {6: "r2", 11: "r4"}
+        if overlap == "on":
+            *outputs[overlap], ahead = run_overlapped(engine.scheduler, engine.worker, abort)
+        else:
+            *outputs[overlap], ahead = run_pipelined(engine.scheduler, engine.worker, 2, abort)
+        assert ahead > 0
+        assert engine.stats().num_free_blocks == engine.info.num_blocks and engine.stats().num_preemptions > 0
+        assert engine.worker.finish() is None
+    assert outputs["on"] == outputs["off"]
+    assert len(fed) > 20   # positions whose input came from the previous step's sampled ids on the device
+    assert not {"r2/0", "r4/0"} & set(outputs["on"][1])
+
+
+def test_overlap_is_refused_where_it_cannot_work(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="async scheduling"):
+        tiny_engine(tiny_llama_dir, worker_overlap="on", async_scheduling=False)
+    engine = tiny_engine(tiny_llama_dir)   # auto: off on a CPU, where results would only come a step later
+    assert not engine.worker.overlaps
+    with pytest.raises(RuntimeError, match="without overlap"):
+        engine.worker.launch(engine.scheduler.schedule() or None)

@@ -55,6 +55,31 @@ def test_graph_decode_steps_give_the_tokens_of_eager_ones(tiny_llama_dir) -> Non
     assert replays and 5 in replays            # the full batch of 5, padded to the graph of 8
 
 
+def test_graph_decode_steps_launched_before_the_last_ones_tokens_are_back_give_the_tokens_of_eager_ones(
+        tiny_llama_dir) -> None:
+    """worker_overlap: a replayed step's input ids are the previous step's sampled ids, copied on the device into
+    the graphs' buffer after the host's rows (which hold a placeholder there)."""
+    from tests.engine.test_async_scheduling import run_overlapped, run_pipelined
+
+    prompts = random_prompts(seed=5, count=5, lengths=range(3, 30))
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={5: 2.0}, max_tokens=12, ignore_eos=True)]
+    outputs = {}
+    for mode in ("eager", "overlapped graphs"):
+        engine = tiny_engine(tiny_llama_dir, attention_backend="triton", max_num_batched_tokens=16,
+                             worker_overlap="on" if mode != "eager" else "off")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", prompt, p)
+        if mode == "eager":
+            outputs[mode] = run_pipelined(engine.scheduler, engine.worker, depth=1)[0]
+        else:
+            replays = graphed(engine, max_batch=8)
+            outputs[mode] = run_overlapped(engine.scheduler, engine.worker)[0]
+    assert outputs["overlapped graphs"] == outputs["eager"]
+    assert replays and 5 in replays
+
+
 def test_a_batch_larger_than_any_graph_runs_eagerly(tiny_llama_dir) -> None:
     engine = tiny_engine(tiny_llama_dir, attention_backend="triton")
     replays = graphed(engine, max_batch=2)
