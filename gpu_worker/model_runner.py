@@ -21,8 +21,8 @@ from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.model import AttentionBatch
 from gpu_worker.parallel.group import TensorParallel
 from gpu_worker.sampling.sampler import Sampled, SampleRow, prompt_token_logprobs, sample_on_device
-from gpu_worker.staging import tensor_on, to_device
 from kernels import torch_paged
+from kernels.staging import tensor_on, to_device
 from protos import common_pb2, worker_pb2
 
 PROMPT_LOGITS_ROWS = 256   # prompt positions whose full-vocabulary logits are held at once

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.staging import tensor_on
+
 
 @dataclass
 class LoraRows:
@@ -41,7 +43,7 @@ class LoraRows:
             lengths.append(len(rows))
             slots.append(slot)
             order.extend(rows)
-        as_device = lambda xs, dtype: torch.tensor(xs, dtype=dtype).to(device)  # noqa: E731
+        as_device = lambda xs, dtype: tensor_on(xs, dtype, device)  # noqa: E731
         return cls(as_device(order, torch.long), starts, lengths, slots, as_device(starts, torch.int32),
                    as_device(lengths, torch.int32), as_device(slots, torch.int32), runs_of(row_slots))
 

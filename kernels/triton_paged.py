@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.staging import to_device
 from kernels.triton_decode import paged_attention_decode
 from kernels.triton_launch import check_pool, next_pow2, require_triton
 from kernels.triton_prefill import paged_prefill_attention
@@ -82,7 +83,7 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
     cu_seqlens_q = torch.zeros(query_lens.shape[0] + 1, dtype=torch.int32, device=query_lens.device)
     cu_seqlens_q[1:] = torch.cumsum(query_lens, 0)
     return PagedMetadata(block_tables.to(torch.int32), context_lens.to(torch.int32),
-                         cu_seqlens_q.to(block_tables.device), int(query_lens.max()),
+                         to_device(cu_seqlens_q, block_tables.device), int(query_lens.max()),
                          block_tables.shape[1] * block_size, window)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from base.sampling_params import SamplingParams
 from gpu_worker.sampling.sample_row import SampleRow
-from gpu_worker.staging import tensor_on, to_device
+from kernels.staging import tensor_on, to_device
 
 BITS = torch.arange(32, dtype=torch.int32)
 

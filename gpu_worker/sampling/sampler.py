@@ -14,8 +14,8 @@ import xxhash
 from base.sampling_params import SamplingParams
 from gpu_worker.sampling.logit_masks import adjusts_logits, apply_adjustments
 from gpu_worker.sampling.sample_row import SampleRow
-from gpu_worker.staging import tensor_on
 from kernels import cpu_layers
+from kernels.staging import tensor_on
 from protos import common_pb2
 
 

@@ -36,6 +36,36 @@ def test_decode_steps_from_cuda_graphs_give_the_tokens_of_eager_steps(tiny_fp32)
     assert outputs[False] == outputs[True]
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_steps_launched_before_the_last_ones_tokens_are_back_give_the_tokens_of_one_at_a_time(tiny_fp32, eager):
+    """worker_overlap on the device it is for: seeded and penalised rows too; the next step's inputs are read from
+    the sampled ids on the GPU."""
+    from ferry import Engine, EngineConfig
+    from tests.engine.test_async_scheduling import run_overlapped, run_pipelined
+
+    prompts = [[5 + i, 17, 99, 3, 250 - i, 41][: 2 + i % 5] * (1 + i % 3) for i in range(11)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 8 + [
+        SamplingParams(temperature=0.9, seed=4, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(7, 11, 13))]
+    outputs = {}
+    for overlap in ("off", "on"):
+        engine = Engine(EngineConfig(model=str(tiny_fp32), dtype="float32", device="cuda", kv_cache_memory=GiB // 8,
+                                     max_num_seqs=16, enforce_eager=eager, worker_overlap=overlap))
+        assert engine.worker.overlaps == (overlap == "on")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", prompt, p)
+        run = run_overlapped if overlap == "on" else lambda s, w: run_pipelined(s, w, 2)
+        outputs[overlap] = run(engine.scheduler, engine.worker)[:2]
+    assert outputs["on"] == outputs["off"]
+
+
+def test_overlap_is_the_default_on_a_gpu(tiny_fp32) -> None:
+    from ferry import Engine, EngineConfig
+    engine = Engine(EngineConfig(model=str(tiny_fp32), dtype="float32", device="cuda", kv_cache_memory=GiB // 8))
+    assert engine.worker.overlaps
+
+
 @pytest.fixture(scope="module")
 def mid_fp32(tmp_path_factory):
     """169M parameters, 675 MB in fp32, the largest tensor 131 MB."""
