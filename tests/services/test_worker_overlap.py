@@ -3,15 +3,18 @@ launched before the previous one's tokens are back, fed from them on the device.
 in-process engine, token for token, under concurrency, stop strings, seeds and a cancelled stream."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from base.sampling_params import SamplingParams
-from protos import router_pb2
-from tests.services_fixtures import KV_CACHE_BYTES, collect, free_port, greedy, start_services, wait_until
+from protos import router_pb2, scheduler_pb2_grpc
+from tests.services_fixtures import (KV_CACHE_BYTES, ConnectStream, child_pids, collect, free_port, greedy,
+                                     start_services, wait_until)
 
 PROMPTS = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(12)]
 METRICS_PORT = free_port()
@@ -87,3 +90,23 @@ def test_a_cancelled_stream_frees_its_blocks_while_steps_overlap(services, engin
     for (token_ids, text, _), want in zip(results, expected):
         assert token_ids == want.token_ids and text == want.text
     wait_until(services.idle, "every block free again after the cancel", timeout=10)
+
+
+def test_a_killed_overlapping_worker_loses_no_request_and_its_successor_overlaps_too(services, engine):
+    """Killed with a step launched and the next one sent: the requests go on with the new worker, token for token."""
+    address, scheduler = services.scheduler_addresses[0], services.schedulers[0]
+    stub = scheduler_pb2_grpc.SchedulerStub(services.channel(address))
+    stream = ConnectStream(stub)
+    prompts = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13]}
+    for request_id, prompt in prompts.items():
+        stream.submit(request_id, prompt, greedy(300, ignore_eos=True))
+    stream.read_until(lambda: all(len(stream.tokens(r)) > 5 for r in prompts))
+    fed_before = fed_tokens()
+    os.kill(child_pids(scheduler.pid)[0], signal.SIGKILL)
+    stream.read_until(lambda: all(stream.done(r) for r in prompts))
+    assert not stream.errors
+    for request_id, prompt in prompts.items():
+        want = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))[0]
+        assert stream.tokens(request_id) == want.token_ids
+    stream.cancel()
+    assert fed_tokens() > fed_before + 100   # the new worker's steps were fed on the device as well
