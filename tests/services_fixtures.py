@@ -109,6 +109,34 @@ class Secured:
         return open(self.log_dir / f"{name}.log", "wb") if self.log_dir else None
 
 
+def matching_engine(model_dir: Path):
+    """The in-process engine with start_services' flags: what a served request must give, token for token."""
+    from base.config import EngineConfig
+    from ferry.engine import Engine
+
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=KV_CACHE_BYTES))
+
+
+def cancel_beside_others(services: ServiceStack, long_prompt: str, prompts: list[str],
+                         sampling: common_pb2.SamplingParams, expected: list) -> None:
+    """Cancel a long stream after its first tokens while `prompts` stream beside it: theirs must be `expected`
+    (the engine's results), token for token and text, and every block free again after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    long_stream = services.router().Generate(router_pb2.GenerateRequest(
+        text=long_prompt, sampling=common_pb2.SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        others = [pool.submit(lambda p: collect(services.router().Generate(
+            router_pb2.GenerateRequest(text=p, sampling=sampling))), p) for p in prompts]
+        for _ in range(5):
+            next(long_stream)
+        long_stream.cancel()
+        results = [f.result() for f in others]
+    for (token_ids, text, _), want in zip(results, expected):
+        assert token_ids == want.token_ids and text == want.text
+    wait_until(services.idle, "every block free again after the cancel", timeout=10)
+
+
 def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple[str, ...] = ("--http-port", "0"),
                    scheduler_env: dict[str, str] | None = None, secured: Secured = Secured(),
                    **scheduler_flags: str | None) -> ServiceStack:

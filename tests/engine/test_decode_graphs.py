@@ -41,11 +41,17 @@ def graphed(engine, max_batch: int) -> list[int]:
     return replays
 
 
-def test_graph_decode_steps_give_the_tokens_of_eager_ones(tiny_llama_dir) -> None:
-    prompts = random_prompts(seed=3, count=5, lengths=range(3, 30))
+def five_requests(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Greedy, seeded top-p, and penalised with a logit bias: five decodes that fit a graph of 8."""
+    prompts = random_prompts(seed=seed, count=5, lengths=range(3, 30))
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={5: 2.0}, max_tokens=12, ignore_eos=True)]
+    return prompts, params
+
+
+def test_graph_decode_steps_give_the_tokens_of_eager_ones(tiny_llama_dir) -> None:
+    prompts, params = five_requests(seed=3)
     outputs = {}
     for mode in ("eager", "graphs"):
         engine = tiny_engine(tiny_llama_dir, attention_backend="triton", max_num_batched_tokens=16)
@@ -61,10 +67,7 @@ def test_graph_decode_steps_launched_before_the_last_ones_tokens_are_back_give_t
     the graphs' buffer after the host's rows (which hold a placeholder there)."""
     from tests.engine.test_async_scheduling import run_overlapped, run_pipelined
 
-    prompts = random_prompts(seed=5, count=5, lengths=range(3, 30))
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={5: 2.0}, max_tokens=12, ignore_eos=True)]
+    prompts, params = five_requests(seed=5)
     outputs = {}
     for mode in ("eager", "overlapped graphs"):
         engine = tiny_engine(tiny_llama_dir, attention_backend="triton", max_num_batched_tokens=16,

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from protos import common_pb2, router_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.services_fixtures import (HEARTBEAT_TTL_S, KV_CACHE_BYTES, ConnectStream, child_pids, collect, greedy,
-                                     indexed_blocks, registered_schedulers, served_alone, start_services,
-                                     wait_until)
+from tests.services_fixtures import (HEARTBEAT_TTL_S, ConnectStream, cancel_beside_others, child_pids, collect, greedy,
+                                     indexed_blocks, matching_engine, registered_schedulers, served_alone,
+                                     start_services, wait_until)
 
 PROMPTS = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(32)]
 
@@ -26,11 +26,7 @@ def services(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from base.config import EngineConfig
-    from ferry.engine import Engine
-
-    return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
-                               kv_cache_memory=KV_CACHE_BYTES))
+    return matching_engine(tiny_llama_dir)
 
 
 def engine_greedy(engine, prompts, max_tokens, **params):
@@ -95,19 +91,7 @@ def test_first_token_arrives_before_the_last_is_computed(services):
 
 def test_cancelled_stream_frees_its_blocks_and_others_are_unaffected(services, engine):
     wait_until(services.idle, "pools idle before the test")
-    expected = engine_greedy(engine, PROMPTS[2:6], 32)
-    long_stream = services.router().Generate(router_pb2.GenerateRequest(
-        text=PROMPTS[6], sampling=greedy(600, ignore_eos=True)))
-    with ThreadPoolExecutor(4) as pool:
-        others = [pool.submit(lambda p: collect(services.router().Generate(
-            router_pb2.GenerateRequest(text=p, sampling=greedy(32)))), p) for p in PROMPTS[2:6]]
-        for _ in range(5):
-            next(long_stream)
-        long_stream.cancel()
-        results = [f.result() for f in others]
-    for (token_ids, text, _), want in zip(results, expected):
-        assert token_ids == want.token_ids and text == want.text
-    wait_until(services.idle, "every block free again after the cancel", timeout=10)
+    cancel_beside_others(services, PROMPTS[6], PROMPTS[2:6], greedy(32), engine_greedy(engine, PROMPTS[2:6], 32))
 
 
 def test_a_second_router_serves_the_same_schedulers(services, engine):

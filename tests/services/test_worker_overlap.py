@@ -13,8 +13,8 @@ import pytest
 
 from base.sampling_params import SamplingParams
 from protos import router_pb2, scheduler_pb2_grpc
-from tests.services_fixtures import (KV_CACHE_BYTES, ConnectStream, child_pids, collect, free_port, greedy,
-                                     start_services, wait_until)
+from tests.services_fixtures import (ConnectStream, cancel_beside_others, child_pids, collect, free_port, greedy,
+                                     matching_engine, start_services, wait_until)
 
 PROMPTS = [f"Paris is the capital of France {i}. The quick brown fox" for i in range(12)]
 METRICS_PORT = free_port()
@@ -30,11 +30,7 @@ def services(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    from base.config import EngineConfig
-    from ferry.engine import Engine
-
-    return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu",
-                               kv_cache_memory=KV_CACHE_BYTES))
+    return matching_engine(tiny_llama_dir)
 
 
 def test_overlapped_steps_serve_what_one_step_at_a_time_gives(services, engine):
@@ -78,18 +74,7 @@ def fed_tokens() -> float:
 
 def test_a_cancelled_stream_frees_its_blocks_while_steps_overlap(services, engine):
     expected = engine.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    long_stream = services.router().Generate(router_pb2.GenerateRequest(
-        text=PROMPTS[5], sampling=greedy(600, ignore_eos=True)))
-    with ThreadPoolExecutor(3) as pool:
-        others = [pool.submit(lambda p: collect(services.router().Generate(
-            router_pb2.GenerateRequest(text=p, sampling=greedy(24, ignore_eos=True)))), p) for p in PROMPTS[:3]]
-        for _ in range(5):
-            next(long_stream)
-        long_stream.cancel()
-        results = [f.result() for f in others]
-    for (token_ids, text, _), want in zip(results, expected):
-        assert token_ids == want.token_ids and text == want.text
-    wait_until(services.idle, "every block free again after the cancel", timeout=10)
+    cancel_beside_others(services, PROMPTS[5], PROMPTS[:3], greedy(24, ignore_eos=True), expected)
 
 
 def test_a_killed_overlapping_worker_loses_no_request_and_its_successor_overlaps_too(services, engine):
