@@ -3,6 +3,8 @@ flood tenant cannot hold a light one back under fair, that aging lets every band
 stay those of fcfs whatever the order (preempted work is recomputed exactly)."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from base.sampling_params import SamplingParams
@@ -14,7 +16,10 @@ from tests.unit.scheduler.test_scheduler import FakeWorker, make_scheduler, run_
 
 def add(scheduler: Scheduler, request_id: str, prompt_len: int = 8, max_tokens: int = 4, tenant: str = "",
         priority: int = 0, weight: float = 1.0) -> None:
-    prompt = [10 + (hash(request_id) + j * 7) % 80 for j in range(prompt_len)]
+    # from the id's digest, not hash() (salted per process): no two prompts share a block, so no prefix-cache
+    # hit makes one tenant's work cheaper in one run than in another
+    digest = hashlib.sha256(request_id.encode()).digest()
+    prompt = [10 + digest[j % len(digest)] % 80 for j in range(prompt_len)]
     scheduler.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                           tenancy=Tenancy(tenant, priority, weight))
 
