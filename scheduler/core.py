@@ -195,7 +195,10 @@ class Scheduler:
         self.begin_admission()
         admitting, queued = True, set(self.waiting)
         adapters = {s.lora_name for s in self.running if s.lora_name}
+        leader = None   # the first sequence given prompt tokens: those it may preempt get none in this step
         for seq in self.policy.order(prefills, list(self.waiting), self.counters.steps):
+            if leader is not None and self.policy.may_preempt_for(leader, seq, self.counters.steps):
+                continue
             if seq.status is SequenceStatus.RUNNING:
                 preempted |= not self.schedule_running(seq)
             elif admitting and not preempted and seq in queued:   # not one preempted in this step
@@ -207,6 +210,8 @@ class Scheduler:
                 if seq.lora_name and seq.status is SequenceStatus.RUNNING:
                     adapters.add(seq.lora_name)
                     self.lora.stop_waiting(seq.seq_id)
+            if leader is None and seq.seq_id in self.scheduled:
+                leader = seq
         return self.build_step()
 
     def schedule_running(self, seq: Sequence) -> bool:

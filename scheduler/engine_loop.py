@@ -57,6 +57,26 @@ class RequestStream:
         return len(self.finished) == self.num_samples
 
 
+@dataclass
+class BuildCost:
+    """What the worker would wait, were each step built after the last one's result: the loop's time from a result
+    to the next step sent (update and schedule), against the worker's time in a step; moving averages."""
+    host_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    smoothing: float = 0.1
+    small_share: float = 0.05    # of a step: what waiting for the build may cost the worker at most
+
+    def observe(self, host_seconds: float, busy_seconds: float) -> None:
+        if not self.busy_seconds:
+            self.host_seconds, self.busy_seconds = host_seconds, busy_seconds
+            return
+        self.host_seconds += self.smoothing * (host_seconds - self.host_seconds)
+        self.busy_seconds += self.smoothing * (busy_seconds - self.busy_seconds)
+
+    def small(self) -> bool:
+        return 0 < self.host_seconds <= self.small_share * self.busy_seconds
+
+
 class EngineLoop:
     """Owns the core Scheduler and its worker; the only code that calls schedule/update."""
 
@@ -74,6 +94,7 @@ class EngineLoop:
         self.failure: str | None = None
         self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
         self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
+        self.build_cost = BuildCost()
         self.triage = CrashTriage()
         self.restarting = False
         self.arrived: list[Rejoining] = []   # requests taken while the worker restarts
@@ -206,23 +227,23 @@ class EngineLoop:
         self.telemetry.on_abort(request_id)
 
     async def run_steps(self) -> None:
-        """Keep `depth` steps with the worker: with async scheduling two (the next one is scheduled and sent while
-        one runs, so the worker starts it as soon as it is done), else one."""
-        depth = 2 if self.config.async_scheduling else 1
+        """Keep `depth()` steps with the worker."""
         in_flight: deque[tuple[worker_pb2.StepRequest, asyncio.Future]] = deque()
         try:
             while True:
                 self.readmit(self.triage.release(self.generated_count))
-                self.fill(in_flight, depth)
+                self.fill(in_flight, self.depth())
                 if not in_flight:
                     await self.wait_for_work()
                     continue
                 step, pending = in_flight.popleft()
                 result = await self.wait_on_worker(pending)
+                took_result = time.perf_counter()
                 self.telemetry.on_result(result)
                 outputs = self.scheduler.update(step, result)
                 # the next step goes to the worker before the streams are served: the worker never waits for them
-                self.fill(in_flight, depth)
+                self.fill(in_flight, self.depth())
+                self.build_cost.observe(time.perf_counter() - took_result, result.busy_seconds)
                 self.telemetry.on_outputs(outputs)
                 self.deliver(outputs)
                 self.on_kv_events(*self.scheduler.drain_kv_events())
@@ -231,6 +252,15 @@ class EngineLoop:
         finally:
             for _, pending in in_flight:
                 pending.cancel()
+
+    def depth(self) -> int:
+        """Steps kept with the worker: with async scheduling two (the next one is scheduled and sent while one runs,
+        so the worker starts it as soon as it is done), else one. Also one while the policy ranks requests against
+        each other (contended: several tenants or priorities) and building a step after the last one's result costs
+        the worker little: an arrival that outranks the work in hand then joins the next step, not the one after."""
+        if not self.config.async_scheduling:
+            return 1
+        return 1 if self.scheduler.policy.contended() and self.build_cost.small() else 2
 
     def fill(self, in_flight: deque, depth: int) -> None:
         while len(in_flight) < depth and (step := self.scheduler.schedule()) is not None:

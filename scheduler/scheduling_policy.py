@@ -14,6 +14,13 @@ budget, between running prefills and waiting sequences.
   first; a waiting sequence may preempt a running one of a worse band, or of its band and a tenant served more by
   over one step's budget (the margin keeps two tenants from preempting each other back and forth).
 
+A step that gives prompt tokens to a sequence gives none to those it may preempt (priority: of a worse band; fair:
+also of its band and a tenant served more by over a step's budget): a newcomer that outranks the work in hand gets
+a step as short as the decodes allow, and what it kept out gets the next one. While the requests in the scheduler
+are of more than one band or tenant (`contended`), the service builds each step once the last one's result is in
+rather than while it runs, where that costs the worker little (scheduler/engine_loop.py): an arrival ranked first
+then joins the next step instead of the one after.
+
 Aging, so that no band waits forever: a request's effective priority is its priority less one for every
 `priority_aging_steps` steps since it arrived. A request of priority p behind a stream of newer requests of
 priority q < p is served after at most (p - q + 1) x priority_aging_steps steps.
@@ -48,8 +55,27 @@ class FirstComeFirstServed:
     def charge(self, seq: Sequence) -> None:
         pass
 
+    def contended(self) -> bool:
+        """Whether an arrival may be ranked ahead of the work in hand."""
+        return False
+
 
 class PriorityFirst(FirstComeFirstServed):
+    def __init__(self, aging_steps: int = 1, step_budget: int = 0):
+        super().__init__(aging_steps, step_budget)
+        self.active_priorities: Counter[int] = Counter()   # unfinished requests, by priority
+
+    def on_arrival(self, tenancy: Tenancy) -> None:
+        self.active_priorities[tenancy.priority] += 1
+
+    def on_departure(self, tenancy: Tenancy) -> None:
+        self.active_priorities[tenancy.priority] -= 1
+        if self.active_priorities[tenancy.priority] <= 0:
+            del self.active_priorities[tenancy.priority]
+
+    def contended(self) -> bool:
+        return len(self.active_priorities) > 1
+
     def band(self, seq: Sequence, step: int) -> int:
         """seq's effective priority: its priority, improved by one every aging_steps steps since it arrived."""
         return seq.tenancy.priority - (step - seq.arrival_step) // self.aging_steps
@@ -82,7 +108,11 @@ class FairShare(PriorityFirst):
             return victim_band > band
         return victim_served > served + self.step_budget
 
+    def contended(self) -> bool:
+        return len(self.active) > 1 or super().contended()
+
     def on_arrival(self, tenancy: Tenancy) -> None:
+        super().on_arrival(tenancy)
         tenant = tenancy.tenant
         if not self.active[tenant]:
             others = [self.served[t] for t, n in self.active.items() if n and t != tenant]
@@ -90,6 +120,7 @@ class FairShare(PriorityFirst):
         self.active[tenant] += 1
 
     def on_departure(self, tenancy: Tenancy) -> None:
+        super().on_departure(tenancy)
         tenant = tenancy.tenant
         self.active[tenant] -= 1
         if self.active[tenant] <= 0:

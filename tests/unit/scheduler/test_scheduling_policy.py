@@ -186,3 +186,67 @@ def test_fair_preempts_within_a_band_only_past_a_step_budget_of_difference():
     assert policy.may_preempt_for(seq, victim, step=0)
     assert policy.may_preempt_for(seq, worse_band, step=0)   # a worse band, whoever's
     assert not policy.may_preempt_for(worse_band, seq, step=0)
+
+
+def prefill_tokens(step, request_ids: set[str]) -> int:
+    """Prompt tokens the step gives requests_ids' sequences (a decode's one token not counted)."""
+    scheduled = [*step.new_seqs, *step.cached_seqs]
+    return sum(s.num_scheduled_tokens for s in scheduled
+               if s.seq_id.rpartition("/")[0] in request_ids and s.num_scheduled_tokens > 1)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_prefill_of_the_tenants_served_more(policy):
+    """A light tenant's request decodes while a flood's long prompts are chunked in; its next request gets a step
+    of its own prompt and the decodes under fair (a shorter wait for its first token), the flood's prefill the next
+    step; under fcfs the flood's chunks take the budget first."""
+    scheduler, worker = make_scheduler(scheduling_policy=policy, max_num_batched_tokens=64, num_blocks=1024,
+                                       max_model_len=256), FakeWorker()
+    add(scheduler, "light0", prompt_len=8, max_tokens=40, tenant="light")
+    flood = {f"flood{i}" for i in range(4)}
+    for request_id in sorted(flood):
+        add(scheduler, request_id, prompt_len=120, max_tokens=8, tenant="flood")
+    for _ in range(4):
+        run_step(scheduler, worker)
+    add(scheduler, "light1", prompt_len=8, tenant="light")
+    step = scheduler.schedule()
+    if policy == "fair":
+        assert prefill_tokens(step, {"light1"}) == 8 and prefill_tokens(step, flood) == 0
+        assert any(s.seq_id == "light0/0" for s in step.cached_seqs)   # the decodes still run
+        scheduler.update(step, worker.step(step))
+        assert prefill_tokens(scheduler.schedule(), flood) > 0         # and the flood's chunks come next
+    else:
+        assert prefill_tokens(step, flood) > 0
+
+
+def test_tenants_served_alike_share_a_step_under_fair():
+    """Keeping the more-served out of a step is for a tenant far behind: tenants within a step's budget of one
+    another have their prompts batched together."""
+    scheduler = make_scheduler(scheduling_policy="fair", max_num_batched_tokens=64)
+    for tenant in "abc":
+        add(scheduler, f"{tenant}0", prompt_len=8, tenant=tenant)
+    assert prefill_tokens(scheduler.schedule(), {"a0", "b0", "c0"}) == 24
+
+
+def test_a_step_that_starts_a_better_priority_carries_no_prefill_of_a_worse_one():
+    scheduler, worker = make_scheduler(scheduling_policy="priority", max_num_batched_tokens=64, num_blocks=1024,
+                                       max_model_len=256), FakeWorker()
+    add(scheduler, "batch", prompt_len=200, max_tokens=4, priority=1)
+    run_step(scheduler, worker)
+    add(scheduler, "urgent", prompt_len=8, max_tokens=4, priority=0)
+    step = scheduler.schedule()
+    assert prefill_tokens(step, {"urgent"}) == 8 and prefill_tokens(step, {"batch"}) == 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_a_policy_is_contended_while_it_holds_requests_it_ranks_differently(policy):
+    scheduler = make_scheduler(scheduling_policy=policy)
+    add(scheduler, "a", tenant="a")
+    add(scheduler, "a-batch", tenant="a", priority=1)
+    assert scheduler.policy.contended() == (policy != "fcfs")         # two priorities
+    scheduler.abort_request("a-batch")
+    assert not scheduler.policy.contended()
+    add(scheduler, "b", tenant="b")
+    assert scheduler.policy.contended() == (policy == "fair")         # two tenants
+    scheduler.abort_request("b")
+    assert not scheduler.policy.contended()

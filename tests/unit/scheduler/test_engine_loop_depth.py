@@ -1,0 +1,85 @@
+"""How many steps the scheduler service keeps with its worker: two with async scheduling (the next one built while
+one runs), one while the policy ranks requests of several tenants against each other and the build costs the worker
+little (an arrival that outranks the queue then joins the next step, not the one after)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from base.config import EngineConfig
+from base.sampling_params import SamplingParams
+from protos import worker_pb2
+from scheduler.engine_loop import BuildCost, EngineLoop
+from scheduler.sequence import Tenancy
+from tests.unit.scheduler.test_scheduler import BLOCK_SIZE, EOS, FakeWorker
+
+
+@dataclass
+class PacedWorker:
+    """Runs the steps one at a time, as the worker process does, each taking `seconds`; notes how many steps it
+    held when each one came."""
+    seconds: float = 0.004
+    fake: FakeWorker = field(default_factory=FakeWorker)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    held: int = 0
+    held_on_arrival: list[int] = field(default_factory=list)
+
+    async def step(self, request: worker_pb2.StepRequest, timeout: float | None = None) -> worker_pb2.StepResult:
+        self.held += 1
+        self.held_on_arrival.append(self.held)
+        try:
+            async with self.lock:
+                await asyncio.sleep(self.seconds)
+                result = self.fake.step(request)
+                result.busy_seconds = self.seconds
+                return result
+        finally:
+            self.held -= 1
+
+
+async def serve(policy: str, tenants: str) -> list[int]:
+    """Two requests a tenant, all at once, run to the end; how many steps the worker held as each came."""
+    worker = PacedWorker()
+    model = worker_pb2.ModelInfo(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128, vocab_size=128,
+                                 eos_token_ids=[EOS], model_name="tiny")
+    loop = EngineLoop(EngineConfig(block_size=BLOCK_SIZE, scheduling_policy=policy), worker,
+                      worker_pb2.InitResponse(model=model))
+    outputs: asyncio.Queue = asyncio.Queue()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i in range(2 * len(tenants)):
+        loop.add_request(f"r{i}", [10 + i, 11, 12, 13], params, outputs, tenancy=Tenancy(tenants[i % len(tenants)]))
+    running = asyncio.create_task(loop.run_steps())
+    try:
+        finished = 0
+        while finished < 2 * len(tenants):
+            stream, out = await asyncio.wait_for(outputs.get(), 10)
+            finished += out.finish_reason is not None
+    finally:
+        running.cancel()
+    return worker.held_on_arrival
+
+
+@pytest.mark.parametrize("policy, tenants, one_at_a_time", [
+    ("fair", "ab", True),     # contended: each step built once the last one's result is in
+    ("fair", "a", False),     # one tenant: nothing to outrank it, async scheduling as ever
+    ("fcfs", "ab", False),    # arrival order: an arrival never outranks the queue
+])
+def test_the_worker_holds_one_step_while_the_policy_is_contended(policy, tenants, one_at_a_time):
+    held = asyncio.run(serve(policy, tenants))
+    assert len(held) > 10
+    if one_at_a_time:
+        assert 2 not in held[3:]   # the first steps go before a result has told what a build costs
+    else:
+        assert held.count(2) > len(held) // 2
+
+
+def test_a_build_that_costs_the_worker_more_than_a_small_share_of_a_step_keeps_async_scheduling():
+    cost = BuildCost()
+    assert not cost.small()   # nothing measured yet
+    cost.observe(host_seconds=0.002, busy_seconds=0.100)
+    assert cost.small()       # a CPU's long steps
+    for _ in range(50):
+        cost.observe(host_seconds=0.003, busy_seconds=0.015)
+    assert not cost.small()   # a GPU's short ones: a 20% wait
