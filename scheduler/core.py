@@ -2,7 +2,8 @@
 
 Each step the running decodes get their next token first; the rest of the budget goes to unfinished prefills (their
 next chunk) and waiting sequences, in the order of --scheduling-policy (scheduler/scheduling_policy.py; fcfs: the
-running prefills, then the queue in arrival order), while the budget, max_num_seqs and the KV pool allow. When the
+running prefills, then the queue in arrival order), while the budget, max_num_seqs and the KV pool allow (under
+priority and fair a newcomer that outranks the running work gets a step without it: sit_out). When the
 pool runs dry, the running sequence the policy ranks last (fcfs: the newest) is preempted: it yields every block
 and goes back to the queue, to be recomputed later.
 
@@ -212,7 +213,19 @@ class Scheduler:
                     self.lora.stop_waiting(seq.seq_id)
             if leader is None and seq.seq_id in self.scheduled:
                 leader = seq
+        if leader in queued:
+            self.sit_out(leader, decodes)
         return self.build_step()
+
+    def sit_out(self, newcomer: Sequence, decodes: list[Sequence]) -> None:
+        """The decodes that newcomer, admitted in this step, may preempt sit the step out: it is then newcomer's
+        prompt and the decodes it does not outrank, the shortest wait for its first token; they run the next one."""
+        for seq in decodes:
+            if seq.seq_id in self.scheduled and self.policy.may_preempt_for(newcomer, seq, self.counters.steps):
+                _, num_tokens = self.scheduled.pop(seq.seq_id)
+                self.budget += num_tokens
+                self.drafts.pop(seq.seq_id, None)
+                self.draft_masks.pop(seq.seq_id, None)
 
     def schedule_running(self, seq: Sequence) -> bool:
         """Give seq its next tokens if the budget and the pool allow; False if making room preempted seq itself."""

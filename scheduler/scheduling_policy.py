@@ -1,6 +1,6 @@
 """The order of the work that competes for a step, and whom the pool takes back from when it runs dry
-(--scheduling-policy). Decodes always run first and are never reordered: what competes is the step's remaining
-budget, between running prefills and waiting sequences.
+(--scheduling-policy). Decodes run first and are never reordered: what competes is the step's remaining budget,
+between running prefills and waiting sequences (but for a newcomer that outranks them, below).
 
 - fcfs: running prefills, then the queue in arrival order (a preempted sequence at its front); the newest running
   sequence is preempted.
@@ -15,8 +15,10 @@ budget, between running prefills and waiting sequences.
   over one step's budget (the margin keeps two tenants from preempting each other back and forth).
 
 A step that gives prompt tokens to a sequence gives none to those it may preempt (priority: of a worse band; fair:
-also of its band and a tenant served more by over a step's budget): a newcomer that outranks the work in hand gets
-a step as short as the decodes allow, and what it kept out gets the next one. While the requests in the scheduler
+also of its band and a tenant served more by over a step's budget), and a step that admits a newcomer runs none of
+their decodes either: a newcomer that outranks the work in hand gets a step of its own prompt and the decodes it
+does not outrank, the shortest wait for its first token, and what it kept out runs the next step (under fair, a
+tenant far behind the others; a tenant level with them shares their steps). While the requests in the scheduler
 are of more than one band or tenant (`contended`), the service builds each step once the last one's result is in
 rather than while it runs, where that costs the worker little (scheduler/engine_loop.py): an arrival ranked first
 then joins the next step instead of the one after.

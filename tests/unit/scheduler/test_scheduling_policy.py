@@ -196,10 +196,10 @@ def prefill_tokens(step, request_ids: set[str]) -> int:
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
-def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_prefill_of_the_tenants_served_more(policy):
-    """A light tenant's request decodes while a flood's long prompts are chunked in; its next request gets a step
-    of its own prompt and the decodes under fair (a shorter wait for its first token), the flood's prefill the next
-    step; under fcfs the flood's chunks take the budget first."""
+def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_work_of_the_tenants_served_more(policy):
+    """A light tenant's request decodes while a flood's long prompts are chunked in; under fair its next request
+    gets a step of its own prompt and its tenant's decode (the shortest wait for its first token), the flood's
+    decodes and chunks the next step; under fcfs the flood's chunks take the budget first."""
     scheduler, worker = make_scheduler(scheduling_policy=policy, max_num_batched_tokens=64, num_blocks=1024,
                                        max_model_len=256), FakeWorker()
     add(scheduler, "light0", prompt_len=8, max_tokens=40, tenant="light")
@@ -210,13 +210,15 @@ def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_prefill_of
         run_step(scheduler, worker)
     add(scheduler, "light1", prompt_len=8, tenant="light")
     step = scheduler.schedule()
+    decoding = {s.seq_id for s in step.cached_seqs if s.num_scheduled_tokens == 1}
     if policy == "fair":
         assert prefill_tokens(step, {"light1"}) == 8 and prefill_tokens(step, flood) == 0
-        assert any(s.seq_id == "light0/0" for s in step.cached_seqs)   # the decodes still run
+        assert decoding == {"light0/0"}   # its tenant's decode runs; the flood's sit the step out
         scheduler.update(step, worker.step(step))
-        assert prefill_tokens(scheduler.schedule(), flood) > 0         # and the flood's chunks come next
+        following = scheduler.schedule()
+        assert prefill_tokens(following, flood) > 0 and "flood0/0" in {s.seq_id for s in following.cached_seqs}
     else:
-        assert prefill_tokens(step, flood) > 0
+        assert prefill_tokens(step, flood) > 0 and "flood0/0" in decoding
 
 
 def test_tenants_served_alike_share_a_step_under_fair():
