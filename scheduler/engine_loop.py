@@ -57,6 +57,9 @@ class RequestStream:
         return len(self.finished) == self.num_samples
 
 
+CONTENDED_MEMORY_S = 10.0   # how long after its policy was last contended the loop still builds steps late
+
+
 @dataclass
 class BuildCost:
     """What the worker would wait, were each step built after the last one's result: the loop's time from a result
@@ -95,6 +98,7 @@ class EngineLoop:
         self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
         self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
         self.build_cost = BuildCost()
+        self.contended_at = -CONTENDED_MEMORY_S   # when the policy last ranked requests against each other
         self.triage = CrashTriage()
         self.restarting = False
         self.arrived: list[Rejoining] = []   # requests taken while the worker restarts
@@ -256,11 +260,15 @@ class EngineLoop:
     def depth(self) -> int:
         """Steps kept with the worker: with async scheduling two (the next one is scheduled and sent while one runs,
         so the worker starts it as soon as it is done), else one. Also one while the policy ranks requests against
-        each other (contended: several tenants or priorities) and building a step after the last one's result costs
-        the worker little: an arrival that outranks the work in hand then joins the next step, not the one after."""
+        each other (contended: several tenants or priorities), or did lately, and building a step after the last
+        one's result costs the worker little: an arrival that outranks the work in hand (a tenant back from a short
+        idle, too) then joins the next step, not the one after."""
         if not self.config.async_scheduling:
             return 1
-        return 1 if self.scheduler.policy.contended() and self.build_cost.small() else 2
+        now = time.monotonic()
+        if self.scheduler.policy.contended():
+            self.contended_at = now
+        return 1 if now - self.contended_at < CONTENDED_MEMORY_S and self.build_cost.small() else 2
 
     def fill(self, in_flight: deque, depth: int) -> None:
         while len(in_flight) < depth and (step := self.scheduler.schedule()) is not None:

@@ -9,8 +9,8 @@ between running prefills and waiting sequences (but for a newcomer that outranks
 - fair (a virtual token counter, Sheng et al., OSDI 2024): within an effective priority band, the tenant that was
   served the fewest tokens divided by its weight first. Every position a tenant's sequences compute for the first
   time counts (prompt and output; a recompute after preemption does not, a cached prefix is free). A tenant that
-  becomes active starts level with the least-served active tenant, so idle time banks no credit: a newcomer is
-  served within one step budget of everyone else's work. Preemption takes from the lowest band, most-served tenant
+  becomes active starts one step's budget behind the least-served active tenant, so idle time banks no more credit
+  than that: its first prompt goes before everyone else's work, then it shares. Preemption takes from the lowest band, most-served tenant
   first; a waiting sequence may preempt a running one of a worse band, or of its band and a tenant served more by
   over one step's budget (the margin keeps two tenants from preempting each other back and forth).
 
@@ -118,7 +118,8 @@ class FairShare(PriorityFirst):
         tenant = tenancy.tenant
         if not self.active[tenant]:
             others = [self.served[t] for t, n in self.active.items() if n and t != tenant]
-            self.served[tenant] = max(self.served.get(tenant, 0.0), min(others, default=0.0))
+            lifted = min(others) - self.step_budget - 1 if others else 0.0
+            self.served[tenant] = max(self.served.get(tenant, 0.0), lifted)
         self.active[tenant] += 1
 
     def on_departure(self, tenancy: Tenancy) -> None:
@@ -130,9 +131,9 @@ class FairShare(PriorityFirst):
             self.forget_idle()
 
     def forget_idle(self) -> None:
-        """Drop idle tenants that a return would lift to the least-served active one anyway (all, when none is
-        active): the counters stay as many as the tenants served lately."""
-        floor = min((self.served[t] for t in self.active), default=float("inf"))
+        """Drop idle tenants that a return would lift anyway (all, when none is active): the counters stay as many
+        as the tenants served lately."""
+        floor = min((self.served[t] for t in self.active), default=float("inf")) - self.step_budget - 1
         for tenant in [t for t, served in self.served.items() if t not in self.active and served <= floor]:
             del self.served[tenant]
 
