@@ -10,9 +10,10 @@ between running prefills and waiting sequences (but for a newcomer that outranks
   served the fewest tokens divided by its weight first. Every position a tenant's sequences compute for the first
   time counts (prompt and output; a recompute after preemption does not, a cached prefix is free). A tenant that
   becomes active starts one step's budget behind the least-served active tenant, so idle time banks no more credit
-  than that: its first prompt goes before everyone else's work, then it shares. Preemption takes from the lowest band, most-served tenant
-  first; a waiting sequence may preempt a running one of a worse band, or of its band and a tenant served more by
-  over one step's budget (the margin keeps two tenants from preempting each other back and forth).
+  than that: its first prompt goes before everyone else's work, then it shares. Preemption takes from the lowest
+  band, most-served tenant first; a waiting sequence may preempt a running one of a worse band, or of its band and
+  a tenant served more by over one step's budget (the margin keeps two tenants from preempting each other back
+  and forth).
 
 A step that gives prompt tokens to a sequence gives none to those it may preempt (priority: of a worse band; fair:
 also of its band and a tenant served more by over a step's budget), and a step that admits a newcomer runs none of
