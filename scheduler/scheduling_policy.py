@@ -118,8 +118,7 @@ class FairShare(PriorityFirst):
         super().on_arrival(tenancy)
         tenant = tenancy.tenant
         if not self.active[tenant]:
-            others = [self.served[t] for t, n in self.active.items() if n and t != tenant]
-            lifted = min(others) - self.step_budget - 1 if others else 0.0
+            lifted = self.return_level() if self.active else 0.0
             self.served[tenant] = max(self.served.get(tenant, 0.0), lifted)
         self.active[tenant] += 1
 
@@ -131,10 +130,15 @@ class FairShare(PriorityFirst):
             del self.active[tenant]
             self.forget_idle()
 
+    def return_level(self) -> float:
+        """Where a tenant back from idle starts: just past may_preempt_for's margin behind the least-served active
+        tenant, so that its first prompt goes first (infinite with none active)."""
+        return min((self.served[t] for t in self.active), default=float("inf")) - self.step_budget - 1
+
     def forget_idle(self) -> None:
         """Drop idle tenants that a return would lift anyway (all, when none is active): the counters stay as many
         as the tenants served lately."""
-        floor = min((self.served[t] for t in self.active), default=float("inf")) - self.step_budget - 1
+        floor = self.return_level()
         for tenant in [t for t, served in self.served.items() if t not in self.active and served <= floor]:
             del self.served[tenant]
 
