@@ -124,7 +124,7 @@ def cancel_beside_others(services: ServiceStack, long_prompt: str, prompts: list
     from concurrent.futures import ThreadPoolExecutor
 
     long_stream = services.router().Generate(router_pb2.GenerateRequest(
-        text=long_prompt, sampling=common_pb2.SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)))
+        text=long_prompt, sampling=greedy(600, ignore_eos=True)))
     with ThreadPoolExecutor(len(prompts)) as pool:
         others = [pool.submit(lambda p: collect(services.router().Generate(
             router_pb2.GenerateRequest(text=p, sampling=sampling))), p) for p in prompts]
