@@ -12,6 +12,8 @@ import torch
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
+    if host.device.type != "cpu":   # already on a GPU (a caller's device tensors): nothing to stage
+        return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)
 
 
