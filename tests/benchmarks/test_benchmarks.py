@@ -140,6 +140,17 @@ def test_async_bench_serves_the_same_requests_with_async_scheduling_on_off_and_o
     assert fed["overlap"] > 0 and fed["on"] == fed["off"] == 0
 
 
+def test_async_bench_stops_naming_the_error_when_requests_fail_instead_of_reporting_zero_tokens(tiny_llama_dir,
+                                                                                              tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps([{"prompt_token_ids": [10 ** 6], "max_tokens": 2}]))   # past the tiny vocab
+    out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "async", "--model", str(tiny_llama_dir),
+                          "--dtype", "float32", "--workload-file", str(workload), "--kv-cache-memory", "4000000",
+                          "--rounds", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "1 of 1 requests failed" in out.stderr and "prompt token ids must lie in" in out.stderr
+
+
 def test_a_workload_extended_past_its_length_keeps_its_shape_without_shared_prefixes():
     from benchmarks.common.workloads import BenchRequest, extend
 
