@@ -82,6 +82,8 @@ def measure(directory: str, dtype: str, counts: list[int], rank: int = 16, num_r
                 **{f"{count} adapters": ("lora", names[:count]) for count in counts}}
         for engine in engines.values():   # warm-up: every adapter placed once
             run(engine, prompts[:max(counts)], 2, names if engine.config.enable_lora else [""])
+        for engine, adapters in plan.values():   # and each mix's shapes compiled (Triton, on a GPU) before timing
+            run(engines[engine], prompts, 2, adapters)
         figures: dict[str, list[float]] = {label: [] for label in plan}
         for round_index in range(rounds):
             for label, (engine, adapters) in plan.items():
