@@ -1,12 +1,13 @@
 """`ferry bench gpu-check` (scripts/gpu_check.sh): Ferry on one NVIDIA GPU, every step a process of its own, one
 JSON summary.
 
-    ferry bench gpu-check OUT_DIR [--budget-s 330] [--work-dir DIR] [--smoke]
+    ferry bench gpu-check OUT_DIR [--budget-s 450] [--work-dir DIR] [--smoke]
 
 First the checks that need no quiet device run side by side (the GPU-only tests, token-exactness against
 transformers, `ferry up` answering a chat request); then the timed steps one at a time (Ferry with CUDA graphs
-and eager vs transformers, the decode step against the memory bound, the decode kernel's bandwidth, continuous vs
-static and paged vs contiguous, multi-LoRA against the base model). Each step ends by its own timeout or the
+and eager vs transformers, the scheduler service with async scheduling off, on and overlapped, the decode step
+against the memory bound, the decode kernel's bandwidth, continuous vs static and paged vs contiguous, multi-LoRA
+against the base model, tensor parallelism). Each step ends by its own timeout or the
 budget's, whichever comes first, and OUT_DIR/summary.json is rewritten after each, so a run cut short still says
 what it found; each step's log is OUT_DIR/logs/STEP.log. The random models are written under --work-dir (a
 temporary folder by default).
@@ -30,8 +31,8 @@ from benchmarks.gpu import steps as gpu_steps
 
 # (step, its own timeout in seconds); the first group runs side by side, the second in order
 SIDE_BY_SIDE = [("cuda_tests", 240), ("exactness", 200), ("serve", 240)]
-IN_ORDER = [("throughput", 200), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200), ("lora", 150),
-            ("tensor_parallel", 120)]
+IN_ORDER = [("throughput", 200), ("served_async", 150), ("roofline", 100), ("kernel_bench", 90), ("seeds_claims", 200),
+            ("lora", 150), ("tensor_parallel", 120)]
 RESULT_PREFIX = "GPU_CHECK_RESULT "
 
 
@@ -100,7 +101,7 @@ def run_one(name: str, work: Path, smoke: bool) -> None:
 def main(argv: list[str]) -> int:
     parser = bench_parser("gpu-check", __doc__)
     parser.add_argument("out", nargs="?", help="folder for summary.json and the steps' logs")
-    parser.add_argument("--budget-s", type=float, default=330.0, help="all steps together end within this")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="all steps together end within this")
     parser.add_argument("--work-dir", help="where the random models are written (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--step", choices=sorted(gpu_steps.STEPS), help=argparse.SUPPRESS)   # a child's own step

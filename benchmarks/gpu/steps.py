@@ -208,6 +208,22 @@ def throughput(plan: Plan, work: Path) -> dict:
             "graphs_over_eager": round(rate("ferry") / rate("ferry_eager"), 2)}
 
 
+def served_async(plan: Plan, work: Path) -> dict:
+    """`ferry bench async` on the device (one round): the scheduler service with async scheduling off, on, and on
+    with the worker's overlap (the default on a GPU), the shared `mixed` workload (64 requests at once) on a random
+    model of SmolLM2's shape and vocabulary; on the CPU a few fixed requests on the tiny model."""
+    from benchmarks.common import workloads
+    from benchmarks.services.async_scheduling import measure
+
+    directory = str(model_dir(plan, work, plan.serve_shape, torch.bfloat16))
+    if plan.device == "cuda":   # the pool: the device's default share (the step runs alone)
+        requests, kv_cache_memory = workloads.load("mixed"), 0
+    else:
+        requests = fixed_workload(4, plan.fixed_prompt, plan.fixed_output, vocab_size(directory))
+        kv_cache_memory = 64 << 20
+    return measure(requests, directory, "bfloat16", kv_cache_memory=kv_cache_memory, rounds=1)
+
+
 def vocab_size(directory: str) -> int:
     return json.loads((Path(directory) / "config.json").read_text())["vocab_size"]
 
@@ -286,5 +302,5 @@ def tensor_parallel(plan: Plan, work: Path) -> dict:
 
 
 STEPS = {"environment": environment, "cuda_tests": cuda_tests, "exactness": exactness, "serve": serve,
-         "throughput": throughput, "roofline": roofline, "kernel_bench": kernel_bench, "seeds_claims": seeds_claims,
-         "lora": lora, "tensor_parallel": tensor_parallel}
+         "throughput": throughput, "served_async": served_async, "roofline": roofline, "kernel_bench": kernel_bench,
+         "seeds_claims": seeds_claims, "lora": lora, "tensor_parallel": tensor_parallel}

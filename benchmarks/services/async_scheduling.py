@@ -52,17 +52,19 @@ def served(requests: list[BenchRequest], engine_flags: list[str]) -> dict:
             "worker_busy_s": round(used["busy"], 3), "fed_tokens": int(used["fed"])}
 
 
-def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
-    engine_flags = ["--model", model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                    "--kv-cache-memory", str(args.kv_cache_memory)]
-    rounds = []
-    for i in range(args.rounds):
+def measure(requests: list[BenchRequest], directory: str, dtype: str, max_num_seqs: int = 128,
+            kv_cache_memory: int = 0, rounds: int = 2) -> dict:
+    """The figures of `ferry bench async` (main's flags; kv_cache_memory 0: the device's default)."""
+    engine_flags = ["--model", directory, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+                    "--kv-cache-memory", str(kv_cache_memory)]
+    runs = []
+    for i in range(rounds):
         for mode, flags in MODES.items():
             entry = {"round": i, "mode": mode, **served(requests, engine_flags + flags)}
             print(f"[bench] round {i} async {mode}: {entry}", file=sys.stderr, flush=True)
-            rounds.append(entry)
-    total = lambda mode, key: sum(r[key] for r in rounds if r["mode"] == mode)  # noqa: E731
-    return {"workload": args.workload, "num_requests": len(requests), "rounds": rounds,
+            runs.append(entry)
+    total = lambda mode, key: sum(r[key] for r in runs if r["mode"] == mode)  # noqa: E731
+    return {"num_requests": len(requests), "rounds": runs,
             "tok_s_on_over_off": round(total("on", "output_tokens_per_s") / total("off", "output_tokens_per_s"), 3),
             "tok_s_overlap_over_on": round(total("overlap", "output_tokens_per_s")
                                            / total("on", "output_tokens_per_s"), 3),
@@ -78,5 +80,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     directory = model_dir(args)
-    report(args, run(args, load_requests(args, directory), directory))
+    result = measure(load_requests(args, directory), directory, args.dtype, args.max_num_seqs, args.kv_cache_memory,
+                     args.rounds)
+    report(args, {"workload": args.workload, **result})
     return 0

@@ -10,8 +10,8 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = {"environment", "cuda_tests", "exactness", "serve", "throughput", "roofline", "kernel_bench",
-         "seeds_claims", "lora", "tensor_parallel"}
+STEPS = {"environment", "cuda_tests", "exactness", "serve", "throughput", "served_async", "roofline",
+         "kernel_bench", "seeds_claims", "lora", "tensor_parallel"}
 
 
 def test_every_step_of_the_gpu_check_runs_at_tiny_shapes_and_reports_in_one_summary(tmp_path) -> None:
@@ -28,6 +28,9 @@ def test_every_step_of_the_gpu_check_runs_at_tiny_shapes_and_reports_in_one_summ
     assert claims["results"]["static"]["output_tokens"] == claims["results"]["continuous"]["output_tokens"] > 0
     assert set(summary["steps"]["lora"]["output_tokens_per_s"]) == {"base (LoRA off)", "base (LoRA on)", "1 adapters",
                                                                     "2 adapters"}
+    served_async = summary["steps"]["served_async"]   # the three modes served the same requests, none failed
+    assert [r["mode"] for r in served_async["rounds"]] == ["on", "off", "overlap"]
+    assert all(r["output_tokens_per_s"] > 0 for r in served_async["rounds"])
     tensor_parallel = summary["steps"]["tensor_parallel"]   # one GPU, or none: TP=1 only, NCCL said untested
     assert set(tensor_parallel["figures"]) == {"1"} and tensor_parallel["nccl"].startswith("untested")
     with tarfile.open(out / "logs.tgz") as logs:
