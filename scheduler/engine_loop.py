@@ -262,13 +262,16 @@ class EngineLoop:
         so the worker starts it as soon as it is done), else one. Also one while the policy ranks requests against
         each other (contended: several tenants or priorities), or did lately, and building a step after the last
         one's result costs the worker little: an arrival that outranks the work in hand (a tenant back from a short
-        idle, too) then joins the next step, not the one after."""
-        if not self.config.async_scheduling:
-            return 1
+        idle, too) then joins the next step, not the one after; meanwhile the scheduler keeps prompt chunks short
+        (Scheduler.held_prefill), so that the step it waits for is short too."""
         now = time.monotonic()
         if self.scheduler.policy.contended():
             self.contended_at = now
-        return 1 if now - self.contended_at < CONTENDED_MEMORY_S and self.build_cost.small() else 2
+        late = now - self.contended_at < CONTENDED_MEMORY_S and self.build_cost.small()
+        self.scheduler.short_prefills = late   # the running step is what such an arrival waits for
+        if not self.config.async_scheduling:
+            return 1
+        return 1 if late else 2
 
     def fill(self, in_flight: deque, depth: int) -> None:
         while len(in_flight) < depth and (step := self.scheduler.schedule()) is not None:

@@ -25,10 +25,13 @@ class PacedWorker:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     held: int = 0
     held_on_arrival: list[int] = field(default_factory=list)
+    short_prefills_on_arrival: list[bool] = field(default_factory=list)   # what the loop had set in its scheduler
+    scheduler: object = None
 
     async def step(self, request: worker_pb2.StepRequest, timeout: float | None = None) -> worker_pb2.StepResult:
         self.held += 1
         self.held_on_arrival.append(self.held)
+        self.short_prefills_on_arrival.append(self.scheduler.short_prefills)
         try:
             async with self.lock:
                 await asyncio.sleep(self.seconds)
@@ -39,20 +42,22 @@ class PacedWorker:
             self.held -= 1
 
 
-async def serve(policy: str, *waves: str) -> list[int]:
-    """Each wave, two requests for each of its tenants, sent at once and run to the end before the next; how many
-    steps the worker held as each of the last wave's came."""
+async def serve(policy: str, *waves: str) -> PacedWorker:
+    """Each wave, two requests for each of its tenants, sent at once and run to the end before the next; the worker,
+    with how many steps it held as each of the last wave's came."""
     worker = PacedWorker()
     model = worker_pb2.ModelInfo(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128, vocab_size=128,
                                  eos_token_ids=[EOS], model_name="tiny")
     loop = EngineLoop(EngineConfig(block_size=BLOCK_SIZE, scheduling_policy=policy), worker,
                       worker_pb2.InitResponse(model=model))
+    worker.scheduler = loop.scheduler
     outputs: asyncio.Queue = asyncio.Queue()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     running = asyncio.create_task(loop.run_steps())
     try:
         for wave, tenants in enumerate(waves):
             worker.held_on_arrival.clear()
+            worker.short_prefills_on_arrival.clear()
             for i in range(2 * len(tenants)):
                 loop.add_request(f"w{wave}r{i}", [10 + i, 11, 12, 13], params, outputs,
                                  tenancy=Tenancy(tenants[i % len(tenants)]))
@@ -62,7 +67,7 @@ async def serve(policy: str, *waves: str) -> list[int]:
                 finished += out.finish_reason is not None
     finally:
         running.cancel()
-    return worker.held_on_arrival
+    return worker
 
 
 @pytest.mark.parametrize("policy, tenants, one_at_a_time", [
@@ -71,12 +76,15 @@ async def serve(policy: str, *waves: str) -> list[int]:
     ("fcfs", "ab", False),    # arrival order: an arrival never outranks the queue
 ])
 def test_the_worker_holds_one_step_while_the_policy_is_contended(policy, tenants, one_at_a_time):
-    held = asyncio.run(serve(policy, tenants))
+    worker = asyncio.run(serve(policy, tenants))
+    held = worker.held_on_arrival
     assert len(held) > 10
     if one_at_a_time:
         assert 2 not in held[3:]   # the first steps go before a result has told what a build costs
     else:
         assert held.count(2) > len(held) // 2
+    # prompt chunks kept short (Scheduler.held_prefill) exactly while steps are built late
+    assert all(worker.short_prefills_on_arrival[3:]) if one_at_a_time else not any(worker.short_prefills_on_arrival)
 
 
 def test_a_build_that_costs_the_worker_more_than_a_small_share_of_a_step_keeps_async_scheduling():
@@ -92,5 +100,5 @@ def test_a_build_that_costs_the_worker_more_than_a_small_share_of_a_step_keeps_a
 def test_a_tenant_back_soon_after_contention_finds_the_next_step_unbuilt():
     """One tenant alone right after two were served: the loop still builds each step late, as it would for the
     other tenant coming back from a short idle."""
-    held = asyncio.run(serve("fair", "ab", "a"))
+    held = asyncio.run(serve("fair", "ab", "a")).held_on_arrival
     assert len(held) > 10 and 2 not in held
