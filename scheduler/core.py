@@ -224,16 +224,18 @@ class Scheduler:
         return self.build_step()
 
     def held_prefill(self, order: list[Sequence]) -> int:
-        """Budget held back from this step's prompt tokens: with short_prefills, all but a quarter of the step's
-        budget, unless the first in order outranks running work (it then gets the step, sit_out). A request that
-        arrives while a step runs waits for that step to end: shorter steps of the work it would outrank are a
-        shorter wait, and the decodes of the work in hand still run every step."""
+        """Budget held back from this step's prompt tokens: with short_prefills, all but half the step's budget,
+        unless the first in order outranks running work (it then gets the step, sit_out). A request that arrives
+        while a step runs waits for that step to end: shorter steps of the work it would outrank are a shorter wait,
+        and the decodes of the work in hand still run every step. Half, not less: each step has a fixed cost (the
+        weights read, the step's messages), so a flood's prompts in smaller chunks cost it throughput (a quarter:
+        0.78x of fcfs with one scheduler on 2 CPU cores)."""
         if not self.short_prefills or not order:
             return 0
         first = order[0]
         if any(self.policy.may_preempt_for(first, seq, self.counters.steps) for seq in self.running):
             return 0
-        return max(0, self.budget - self.config.max_num_batched_tokens // 4)
+        return max(0, self.budget - self.config.max_num_batched_tokens // 2)
 
     def sit_out(self, newcomer: Sequence, decodes: list[Sequence]) -> None:
         """The decodes that newcomer, admitted in this step, may preempt sit the step out: it is then newcomer's

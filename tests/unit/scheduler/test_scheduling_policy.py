@@ -224,8 +224,8 @@ def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_work_of_th
 @pytest.mark.parametrize("short_prefills", [False, True])
 def test_while_an_arrival_may_outrank_the_work_in_hand_its_prompt_chunks_are_short_but_the_newcomers_is_whole(
         short_prefills):
-    """The service's loop sets short_prefills while the policy is contended: a step then gives the flood's prompts a
-    quarter of its budget (the step a light arrival waits out is short), while the light arrival's own prompt, which
+    """The service's loop sets short_prefills while the policy is contended: a step then gives the flood's prompts
+    half its budget (the step a light arrival waits out is short), while the light arrival's own prompt, which
     outranks the flood, gets its step whole."""
     scheduler, worker = make_scheduler(scheduling_policy="fair", max_num_batched_tokens=64, num_blocks=1024,
                                        max_model_len=256), FakeWorker()
@@ -234,12 +234,12 @@ def test_while_an_arrival_may_outrank_the_work_in_hand_its_prompt_chunks_are_sho
     for request_id in sorted(flood):
         add(scheduler, request_id, prompt_len=120, max_tokens=8, tenant="flood")
     step = scheduler.schedule()
-    assert prefill_tokens(step, flood) == (16 if short_prefills else 64)
+    assert prefill_tokens(step, flood) == (32 if short_prefills else 64)
     scheduler.update(step, worker.step(step))
     for _ in range(30):
         run_step(scheduler, worker)
-    add(scheduler, "light", prompt_len=40, tenant="light")
-    assert prefill_tokens(scheduler.schedule(), {"light"}) == 40
+    add(scheduler, "light", prompt_len=48, tenant="light")
+    assert prefill_tokens(scheduler.schedule(), {"light"}) == 48
 
 
 def test_tenants_served_alike_share_a_step_under_fair():
