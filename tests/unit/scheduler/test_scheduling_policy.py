@@ -232,14 +232,16 @@ def test_while_an_arrival_may_outrank_the_work_in_hand_its_prompt_chunks_are_sho
     scheduler.short_prefills = short_prefills
     flood = {f"flood{i}" for i in range(4)}
     for request_id in sorted(flood):
-        add(scheduler, request_id, prompt_len=120, max_tokens=8, tenant="flood")
+        add(scheduler, request_id, prompt_len=120, max_tokens=100, tenant="flood")
+    run_step(scheduler, worker)   # a step with nothing running before it is whole: there is nothing to wait for
     step = scheduler.schedule()
     assert prefill_tokens(step, flood) == (32 if short_prefills else 64)
     scheduler.update(step, worker.step(step))
-    for _ in range(30):
+    for _ in range(20):
         run_step(scheduler, worker)
     add(scheduler, "light", prompt_len=48, tenant="light")
-    assert prefill_tokens(scheduler.schedule(), {"light"}) == 48
+    step = scheduler.schedule()
+    assert prefill_tokens(step, {"light"}) == 48 and len(step.cached_seqs) == 0   # the flood's decodes sit out
 
 
 def test_tenants_served_alike_share_a_step_under_fair():
