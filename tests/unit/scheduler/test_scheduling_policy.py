@@ -225,19 +225,22 @@ def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_work_of_th
 def test_while_an_arrival_may_outrank_the_work_in_hand_its_prompt_chunks_are_short_but_the_newcomers_is_whole(
         short_prefills):
     """The service's loop sets short_prefills while the policy is contended: a step then gives the flood's prompts
-    half its budget (the step a light arrival waits out is short), while the light arrival's own prompt, which
-    outranks the flood, gets its step whole."""
+    twice its decode tokens (a quarter of the budget at least), while the light arrival's own prompt, which outranks
+    the flood, gets its step whole."""
     scheduler, worker = make_scheduler(scheduling_policy="fair", max_num_batched_tokens=64, num_blocks=1024,
                                        max_model_len=256), FakeWorker()
     scheduler.short_prefills = short_prefills
-    flood = {f"flood{i}" for i in range(4)}
-    for request_id in sorted(flood):
+    chats, documents = {f"chat{i}" for i in range(12)}, {f"doc{i}" for i in range(4)}
+    for request_id in sorted(chats):
+        add(scheduler, request_id, prompt_len=4, max_tokens=100, tenant="flood")
+    run_step(scheduler, worker)   # the twelve chats' prompts (a step with nothing running before it is whole)
+    for request_id in sorted(documents):
         add(scheduler, request_id, prompt_len=120, max_tokens=100, tenant="flood")
-    run_step(scheduler, worker)   # a step with nothing running before it is whole: there is nothing to wait for
     step = scheduler.schedule()
-    assert prefill_tokens(step, flood) == (32 if short_prefills else 64)
+    decoding = sum(s.num_scheduled_tokens == 1 for s in step.cached_seqs)
+    assert decoding == 12 and prefill_tokens(step, documents) == (24 if short_prefills else 64 - 12)
     scheduler.update(step, worker.step(step))
-    for _ in range(20):
+    for _ in range(10):
         run_step(scheduler, worker)
     add(scheduler, "light", prompt_len=48, tenant="light")
     step = scheduler.schedule()
