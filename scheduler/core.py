@@ -224,21 +224,19 @@ class Scheduler:
         return self.build_step()
 
     def held_prefill(self, order: list[Sequence]) -> int:
-        """Budget held back from this step's prompt tokens: with short_prefills, all but twice the step's decode
-        tokens (a quarter of the budget at least), unless the first in order outranks running work (it then gets the
-        step, sit_out). A request that arrives while a step runs waits for that step to end: shorter steps of the
-        work it would outrank are a shorter wait. Twice the decodes: a flood's prompts then keep pace with its
-        decodes; fewer cost it throughput, each step having a fixed cost (on 2 CPU cores, one scheduler with 32
-        decodes a step: 0.78x of fcfs at a quarter of a 128-token budget, 0.91x at half; two with 16: 0.93x at a
-        quarter)."""
+        """Budget held back from this step's prompt tokens: with short_prefills, all but half the step's budget,
+        unless the first in order outranks running work (it then gets the step, sit_out). A request that arrives
+        while a step runs waits for that step to end: shorter steps of the work it would outrank are a shorter wait,
+        and the decodes of the work in hand still run every step. Half, not less: fewer prompt tokens a step and a
+        flood's streams wait longer for their prefill, fewer of them decode, and its throughput falls (on 2 CPU
+        cores with one scheduler: 0.78x of fcfs at a quarter of a 128-token budget, or at twice the step's decodes;
+        0.91x at half)."""
         if not self.short_prefills or not order or not self.running:   # nothing to wait for
             return 0
         first = order[0]
         if any(self.policy.may_preempt_for(first, seq, self.counters.steps) for seq in self.running):
             return 0
-        decode_tokens = self.config.max_num_batched_tokens - self.budget
-        allowed = max(2 * decode_tokens, self.config.max_num_batched_tokens // 4)
-        return max(0, self.budget - allowed)
+        return max(0, self.budget - self.config.max_num_batched_tokens // 2)
 
     def sit_out(self, newcomer: Sequence, decodes: list[Sequence]) -> None:
         """The decodes that newcomer, admitted in this step, may preempt sit the step out: it is then newcomer's
