@@ -15,6 +15,7 @@ import torch
 from base.sampling_params import SamplingParams
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, DecodeRows
 from gpu_worker.draft_model import DraftModel
+from gpu_worker.interrupts import Interrupts, StepInterrupted
 from gpu_worker.kv_pool import KVPool
 from gpu_worker.lora.adapter_store import AdapterStore
 from gpu_worker.lora.lora_slots import LoraSlots
@@ -76,6 +77,7 @@ class LaunchedStep:
     num_fed_tokens: int = 0           # input positions read from the previous step's sampled ids (feed())
     returned_at: float = 0.0          # when launch() returned
     sampled: Sampled | None = None    # None: no row samples
+    interrupted: bool = False         # stopped between two layers (gpu_worker/interrupts.py): nothing computed
 
     def ready(self) -> bool:
         """Whether its tokens are on the host (finish() would not wait for the device)."""
@@ -97,20 +99,33 @@ class ModelRunner:
     adapters: AdapterStore | None = None    # and the adapters loaded
     tp: TensorParallel | None = None        # this rank's group, under tensor parallelism
     vocab_size: int = 0                     # the whole vocabulary's (a rank's head holds a slice of it)
+    interrupts: Interrupts = field(default_factory=Interrupts)   # steps the scheduler asked to stop
 
     def __post_init__(self) -> None:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
         self.unfinished: LaunchedStep | None = None   # launched, its tokens not yet on the host (launch())
         self.last_finished_at = 0.0                    # when the last finish() returned
         self.num_fed = 0                               # positions the last feed() filled on the device
+        self.interruptible_step = 0                    # the step() running, where it may be cut short; 0: none
 
     @torch.inference_mode()
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         """One step, start to end: its tokens are on the host when it returns."""
         if self.unfinished is not None:
             raise RuntimeError("step() while a launched step is unfinished: finish() it first")
-        self.launch(req)
+        self.interruptible_step = req.step_id if self.may_interrupt(req) else 0
+        try:
+            self.launch(req)
+        finally:
+            self.interruptible_step = 0
         return self.finish()
+
+    def may_interrupt(self, req: worker_pb2.StepRequest) -> bool:
+        """Whether req may stop between two layers when asked: on a CPU, where a step's layers run as the host
+        reaches them, one rank alone, and nothing the step would consume on the host before its forward (a draft
+        model follows each step; proposals and token masks are the scheduler's for this step only)."""
+        return (self.device.type == "cpu" and self.tp is None and self.draft is None and not req.token_bitmasks
+                and not any(seq.draft_token_ids for seq in req.cached_seqs))
 
     @torch.inference_mode()
     def launch(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult | None:
@@ -123,7 +138,10 @@ class ModelRunner:
         logits = None
         if launched.chunks:
             started = time.perf_counter()
-            logits = self.forward(launched.chunks)
+            try:
+                logits = self.forward(launched.chunks)
+            except StepInterrupted:   # its sequences stay as they were: the scheduler sends these positions again
+                launched.interrupted = True
             launched.num_fed_tokens = self.num_fed
             launched.seconds = time.perf_counter() - started
         earlier = self.finish()
@@ -159,8 +177,9 @@ class ModelRunner:
 
     def result_of(self, launched: LaunchedStep) -> worker_pb2.StepResult:
         """Its tokens to the host, kept by their sequences (and proposed after, with a draft model)."""
-        result = worker_pb2.StepResult(step_id=launched.req.step_id, num_fed_tokens=launched.num_fed_tokens)
-        if not launched.chunks:
+        result = worker_pb2.StepResult(step_id=launched.req.step_id, num_fed_tokens=launched.num_fed_tokens,
+                                       interrupted=launched.interrupted)
+        if not launched.chunks or launched.interrupted:
             return result
         tokens, logprobs = [], []
         if launched.sampled is not None:
@@ -329,12 +348,19 @@ class ModelRunner:
                                 for row in range(end - c.num_sampled_rows + 1, end + 1)], torch.long, self.device)
 
         def forward() -> torch.Tensor | None:
-            hidden = self.model(input_ids, positions, self.pool.layers, batch)
+            hidden = self.model(input_ids, positions, self.kv_layers(), batch)
             if self.draft is not None:
                 self.draft.follow(input_ids, positions, batch)
             self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
             return self.compute_logits(hidden[logit_rows]) if logit_rows.numel() else None
         return forward
+
+    def kv_layers(self):
+        """The pool's layers, as the model's forward reads them: in an interruptible step, each after a look at
+        whether the step was asked to stop."""
+        if not self.interruptible_step:
+            return self.pool.layers
+        return self.interrupts.layers(self.pool.layers, self.interruptible_step)
 
     def gather_prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, first_rows: list[int]
                                ) -> None:

@@ -60,6 +60,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except (ValueError, OSError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    def Interrupt(self, request: worker_pb2.InterruptRequest, context: grpc.ServicerContext
+                  ) -> worker_pb2.InterruptResponse:
+        """On this handler's thread: the compute thread, in the step, looks between two layers."""
+        self.worker.interrupt(request.step_id)
+        return worker_pb2.InterruptResponse()
+
     def ReadBlocks(self, request: worker_pb2.ReadBlocksRequest, context: grpc.ServicerContext
                    ) -> worker_pb2.BlocksData:
         return self.beside_steps(self.worker.read_blocks, request, context)

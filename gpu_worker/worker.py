@@ -274,6 +274,11 @@ class Worker:
             self.followers.send(STEP, req)
         return self.runner.step(req)
 
+    def interrupt(self, step_id: int) -> None:
+        """Ask step step_id to stop before its next layer (gpu_worker/interrupts.py); called beside the steps."""
+        if self.runner is not None:
+            self.runner.interrupts.ask(step_id)
+
     def launch(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult | None:
         """With overlap: start req on the device before the step launched before it is finished (its tokens feed
         req's positions there); that step's result, or None. finish() gives req's (ModelRunner.launch)."""

@@ -483,6 +483,10 @@ class Scheduler:
     def update(self, step: worker_pb2.StepRequest, result: worker_pb2.StepResult) -> list[RequestOutput]:
         """A step's result, in the order the steps were built: its sampled tokens join their sequences."""
         chunks = self.in_flight.pop(step.step_id, [])
+        if result.interrupted:
+            self.take_back(chunks)
+            outputs, self.failed = self.failed, []
+            return outputs
         for chunk in chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:   # aborted or preempted while the step ran
@@ -497,6 +501,30 @@ class Scheduler:
             self.settle_speculation(chunks, result)
         outputs, self.failed = self.failed + outputs, []
         return [out for out in outputs if out is not None]
+
+    def interruptible(self, step_id: int) -> list[Sequence] | None:
+        """The sequences of built step step_id if the worker may cut it short (EngineLoop.interrupt_for): it is
+        the only step in flight, so no later one counts on its tokens, and it consumed nothing a second build could
+        not give again (proposals, grammar masks); None where it may not."""
+        chunks = self.in_flight.get(step_id)
+        if chunks is None or len(self.in_flight) != 1:
+            return None
+        if any(chunk.num_drafts or self.structured.constrains(chunk.seq.seq_id) for chunk in chunks):
+            return None
+        return [chunk.seq for chunk in chunks]
+
+    def take_back(self, chunks: list[ScheduledChunk]) -> None:
+        """The worker stopped the step between two layers: its sequences are where they were before it (their
+        blocks kept, nothing registered in the prefix cache), for the next steps to compute those positions. Their
+        tenants were charged for them already, and are not again when they are computed."""
+        self.counters.interrupted_steps += 1
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.num_pending_tokens -= chunk.samples + chunk.num_drafts
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens = chunk.start
 
     def settle_speculation(self, chunks: list[ScheduledChunk], result: worker_pb2.StepResult) -> None:
         """Take the step's proposals and verified counts, and time it for the payoff (speculation on only)."""

@@ -58,6 +58,7 @@ class RequestStream:
 
 
 CONTENDED_MEMORY_S = 10.0   # how long after its policy was last contended the loop still builds steps late
+INTERRUPT_BEFORE = 0.5      # of a step's usual time: later than that, an arrival waits for the rest of the step
 
 
 @dataclass
@@ -96,6 +97,8 @@ class EngineLoop:
         self.on_kv_events = lambda stored, removed: None
         self.failure: str | None = None
         self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
+        self.last_sent_at = 0.0      # and when (perf_counter)
+        self.interrupted_step_id = 0  # the last step the worker was asked to cut short
         self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
         self.build_cost = BuildCost()
         self.contended_at = -CONTENDED_MEMORY_S   # when the policy last ranked requests against each other
@@ -138,12 +141,33 @@ class EngineLoop:
                                        tenancy, lora_name, held=pull)
             if request_id in self.scheduler.held:
                 self.kv_pulls.start(request_id, kv_source)
+            self.interrupt_for(request_id)
             self.on_kv_events(*self.scheduler.drain_kv_events())    # its announced blocks (--announce-prompts), now
         self.telemetry.on_arrival(request_id, len(prompt_token_ids), params.n, trace_parent, tenancy.tenant)
         stream = RequestStream(request_id, params.n, outputs)
         self.streams[request_id] = stream
         self.wakeup.set()
         return stream
+
+    def interrupt_for(self, request_id: str) -> None:
+        """A queued arrival that outranks work in the one step with the worker (steps built late: depth()) asks the
+        worker to cut it short between two layers, if it has run less than INTERRUPT_BEFORE of a step and steps are
+        long beside their build (a CPU's): the arrival then waits for a layer rather than the rest of the step, and
+        the step's work is scheduled again after the arrival's own step (Scheduler.take_back). It costs that work
+        the part of the step already done."""
+        step_id = self.last_sent_step_id
+        if step_id == self.interrupted_step_id or not self.build_cost.small():
+            return
+        seq = self.scheduler.requests[request_id].seqs[0]
+        work = self.scheduler.interruptible(step_id)
+        if seq not in self.scheduler.waiting or not work:
+            return
+        if time.perf_counter() - self.last_sent_at > INTERRUPT_BEFORE * self.build_cost.busy_seconds:
+            return
+        steps = self.scheduler.counters.steps
+        if any(self.scheduler.policy.may_preempt_for(seq, running, steps) for running in work):
+            self.interrupted_step_id = step_id
+            asyncio.ensure_future(self.worker.interrupt(step_id))
 
     def pulls_from(self, source: scheduler_pb2.KvSource | None) -> bool:
         return (source is not None and self.kv_pulls is not None and self.config.enable_prefix_caching
@@ -247,7 +271,8 @@ class EngineLoop:
                 outputs = self.scheduler.update(step, result)
                 # the next step goes to the worker before the streams are served: the worker never waits for them
                 self.fill(in_flight, self.depth())
-                self.build_cost.observe(time.perf_counter() - took_result, result.busy_seconds)
+                if not result.interrupted:   # a step cut short says nothing of how long steps take
+                    self.build_cost.observe(time.perf_counter() - took_result, result.busy_seconds)
                 self.telemetry.on_outputs(outputs)
                 self.deliver(outputs)
                 self.on_kv_events(*self.scheduler.drain_kv_events())
@@ -279,6 +304,7 @@ class EngineLoop:
 
     def send(self, step: worker_pb2.StepRequest) -> tuple[worker_pb2.StepRequest, asyncio.Future]:
         step.previous_step_id, self.last_sent_step_id = self.last_sent_step_id, step.step_id
+        self.last_sent_at = time.perf_counter()
         self.telemetry.on_step(step)
         return step, asyncio.ensure_future(self.worker.step(step, self.config.step_timeout))
 

@@ -47,6 +47,8 @@ class StatsCollector:
         yield self.counter("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                            s.prefix_cache_hits)
         yield self.counter("ferry:num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        yield self.counter("ferry:num_interrupted_steps", "Steps cut short for a request that outranked their work.",
+                           s.num_interrupted_steps)
         yield self.counter("ferry:prompt_tokens", "Prompt tokens computed (prefill).", s.prompt_tokens_total)
         yield self.counter("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield from self.spec_decode_counters(s)

@@ -17,6 +17,7 @@ class StepCounters:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     chunked_prefills: int = 0       # prefill steps that computed only part of a prompt
+    interrupted_steps: int = 0      # cut short for a request that outranked their work (Scheduler.take_back)
     spec_drafts: int = 0            # speculative proposals verified
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -48,6 +49,7 @@ def stats_response(scheduler: SchedulerState) -> scheduler_pb2.StatsResponse:
         num_free_blocks=bm.num_free_blocks, num_cached_free_blocks=bm.num_cached_free_blocks,
         block_size=block_size, prefix_cache_queries=bm.counters.queries,
         prefix_cache_hits=bm.counters.hits, num_preemptions=counters.preemptions,
+        num_interrupted_steps=counters.interrupted_steps,
         num_evictions=bm.counters.evictions,
         waiting_tokens=queued_prefill_tokens(scheduler),
         running_tokens=sum(s.num_tokens for s in scheduler.running),

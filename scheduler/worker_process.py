@@ -60,6 +60,14 @@ class WorkerProcess:
                 self.process.kill()   # hung (a device that stopped answering): no use asking it to exit
             raise WorkerFailed(f"worker step failed: {e.code().name}: {e.details()}") from e
 
+    async def interrupt(self, step_id: int) -> None:
+        """Ask the worker to cut step step_id short (its result then says interrupted, unless it ran to its end);
+        a worker that does not answer is the step's call to find out."""
+        try:
+            await self.stub.Interrupt(worker_pb2.InterruptRequest(step_id=step_id))
+        except grpc.aio.AioRpcError:
+            pass
+
     async def load_adapter(self, name: str, path: str) -> worker_pb2.LoadAdapterResponse:
         """StatusError INVALID_ARGUMENT with the worker's reason when it refuses the adapter."""
         try:

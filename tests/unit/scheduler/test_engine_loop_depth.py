@@ -4,6 +4,7 @@ little (an arrival that outranks the queue then joins the next step, not the one
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -20,7 +21,7 @@ from tests.unit.scheduler.test_scheduler import BLOCK_SIZE, EOS, FakeWorker
 class PacedWorker:
     """Runs the steps one at a time, as the worker process does, each taking `seconds`; notes how many steps it
     held when each one came."""
-    seconds: float = 0.004
+    seconds: float = 0.01
     fake: FakeWorker = field(default_factory=FakeWorker)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     held: int = 0
@@ -28,18 +29,26 @@ class PacedWorker:
     short_prefills_on_arrival: list[bool] = field(default_factory=list)   # what the loop had set in its scheduler
     scheduler: object = None
 
+    started: asyncio.Event = field(default_factory=asyncio.Event)   # set as each step begins
+
     async def step(self, request: worker_pb2.StepRequest, timeout: float | None = None) -> worker_pb2.StepResult:
         self.held += 1
         self.held_on_arrival.append(self.held)
         self.short_prefills_on_arrival.append(self.scheduler.short_prefills)
         try:
             async with self.lock:
-                await asyncio.sleep(self.seconds)
+                self.started.set()
+                ends = time.monotonic() + self.seconds
+                while time.monotonic() < ends and request.step_id not in self.fake.asked_to_stop:
+                    await asyncio.sleep(0.001)   # between two layers
                 result = self.fake.step(request)
                 result.busy_seconds = self.seconds
                 return result
         finally:
             self.held -= 1
+
+    async def interrupt(self, step_id: int) -> None:
+        self.fake.asked_to_stop.add(step_id)
 
 
 async def serve(policy: str, *waves: str) -> PacedWorker:
@@ -102,3 +111,57 @@ def test_a_tenant_back_soon_after_contention_finds_the_next_step_unbuilt():
     other tenant coming back from a short idle."""
     held = asyncio.run(serve("fair", "ab", "a")).held_on_arrival
     assert len(held) > 10 and 2 not in held
+
+
+async def light_arrival_mid_step(policy: str) -> tuple[PacedWorker, dict[str, list[int]], list[str]]:
+    """A flood tenant's two streams and a light tenant's request; once that is done, a second light request comes
+    as a step of the flood's begins. The worker; every request's tokens; the sequences of the step after that."""
+    worker = PacedWorker(seconds=0.05)
+    model = worker_pb2.ModelInfo(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128, vocab_size=128,
+                                 eos_token_ids=[EOS], model_name="tiny")
+    loop = EngineLoop(EngineConfig(block_size=BLOCK_SIZE, scheduling_policy=policy, max_num_batched_tokens=8),
+                      worker, worker_pb2.InitResponse(model=model))
+    worker.scheduler = loop.scheduler
+    outputs: asyncio.Queue = asyncio.Queue()
+    tokens: dict[str, list[int]] = {}
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    running = asyncio.create_task(loop.run_steps())
+
+    async def until_done(request_id: str) -> None:
+        while True:
+            _, out = await asyncio.wait_for(outputs.get(), 10)
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None and out.request_id == request_id:
+                return
+    try:
+        for i in range(2):
+            loop.add_request(f"flood{i}", [20 + i, 21, 22, 23, 24, 25], params, outputs, tenancy=Tenancy("flood"))
+        loop.add_request("light0", [40, 41, 42], SamplingParams(temperature=0, max_tokens=2), outputs,
+                         tenancy=Tenancy("light"))
+        await until_done("light0")
+        worker.started.clear()
+        await worker.started.wait()
+        arrived_in = loop.last_sent_step_id
+        loop.add_request("light1", [50, 51, 52], SamplingParams(temperature=0, max_tokens=2), outputs,
+                         tenancy=Tenancy("light"))
+        await until_done("light1")
+        for i in range(2):
+            if not tokens.get(f"flood{i}") or len(tokens[f"flood{i}"]) < 30:
+                await until_done(f"flood{i}")
+    finally:
+        running.cancel()
+    after = next(step for step in worker.fake.steps if step.step_id == arrived_in + 1)
+    return worker, tokens, [s.seq_id for s in [*after.new_seqs, *after.cached_seqs]]
+
+
+def test_an_arrival_that_outranks_the_running_step_has_it_cut_short_and_nothing_is_lost():
+    worker, tokens, next_step = asyncio.run(light_arrival_mid_step("fair"))
+    assert len(worker.fake.asked_to_stop) == 1
+    assert next_step == ["light1/0"]   # its own step, at once: the flood's work waits one step
+    _, fcfs_tokens, _ = asyncio.run(light_arrival_mid_step("fcfs"))
+    assert tokens == fcfs_tokens and all(len(tokens[f"flood{i}"]) == 30 for i in range(2))
+
+
+def test_an_arrival_under_fcfs_waits_for_the_running_step():
+    worker, _, next_step = asyncio.run(light_arrival_mid_step("fcfs"))
+    assert not worker.fake.asked_to_stop and "light1/0" in next_step

@@ -24,6 +24,7 @@ class FakeWorker:
     on every known token, so a recomputed sequence must produce the same continuation."""
     seqs: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     steps: list[worker_pb2.StepRequest] = field(default_factory=list)
+    asked_to_stop: set[int] = field(default_factory=set)   # step ids cut short between layers: nothing sampled
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         self.steps.append(req)
@@ -37,8 +38,8 @@ class FakeWorker:
             blocks = self.seqs[cached.seq_id][1]
             blocks[:] = [*(() if cached.replaces_block_table else blocks), *cached.new_block_ids]
             scheduled.append((cached.seq_id, cached.num_computed_tokens, cached.num_scheduled_tokens))
-        result = worker_pb2.StepResult(step_id=req.step_id)
-        for seq_id, start, count in scheduled:
+        result = worker_pb2.StepResult(step_id=req.step_id, interrupted=req.step_id in self.asked_to_stop)
+        for seq_id, start, count in scheduled if not result.interrupted else ():
             tokens, blocks = self.seqs[seq_id]
             assert start + count <= len(tokens) and len(blocks) * BLOCK_SIZE >= start + count
             if start + count == len(tokens):
@@ -253,6 +254,49 @@ def test_abort_between_schedule_and_update_drops_the_result_and_frees_at_once():
     assert "a/0" in step.freed_seq_ids
     run_to_end(scheduler, worker, scheduler.update(step, worker.step(step)))
     assert scheduler.block_manager.num_free_blocks == 64 and not scheduler.has_unfinished_requests()
+
+
+def interrupted_run(interrupt: bool) -> tuple[Scheduler, FakeWorker, dict, dict]:
+    """A decode beside a long prompt's chunks, its second step cut short if asked; the scheduler and worker after
+    that step, the sequences' (computed, pending) before and after it, and every request's tokens at the end."""
+    scheduler, worker = make_scheduler(max_num_batched_tokens=9, enable_prefix_caching=True), FakeWorker()
+    scheduler.add_request("short", [5, 6, 7], params(6))
+    scheduler.add_request("long", list(range(10, 34)), params(4))
+    outputs = run_step(scheduler, worker)
+    state = lambda: {s.seq_id: (s.num_computed_tokens, s.num_pending_tokens) for s in scheduler.running}  # noqa: E731
+    before = state()
+    step = scheduler.schedule()
+    if interrupt:
+        assert scheduler.interruptible(step.step_id) is not None
+        worker.asked_to_stop.add(step.step_id)
+    cached_blocks = set(scheduler.block_manager.cached)
+    outputs += scheduler.update(step, worker.step(step))
+    assert len(outputs) == 1 + (not interrupt)   # the short prompt's first token; its second unless cut short
+    assert (set(scheduler.block_manager.cached) == cached_blocks) == interrupt   # a chunk's full blocks registered
+    return scheduler, worker, {"before": before, "after": state(), "step": scheduled_tokens(step)}, \
+        run_to_end(scheduler, worker, outputs)
+
+
+def test_an_interrupted_step_leaves_its_sequences_as_it_found_them_and_is_computed_again():
+    """The worker stopped the step between two layers (gpu_worker/interrupts.py): nothing of it is kept, the next
+    step computes the same positions again, and every request ends with the tokens of a run never interrupted."""
+    scheduler, worker, seen, tokens = interrupted_run(interrupt=True)
+    assert seen["after"] == seen["before"]
+    assert scheduled_tokens(worker.steps[2]) == seen["step"]   # the same positions, sent again
+    assert [s.num_computed_tokens for s in worker.steps[2].cached_seqs] == \
+        [s.num_computed_tokens for s in worker.steps[1].cached_seqs]
+    assert scheduler.stats().num_interrupted_steps == 1
+    assert tokens == interrupted_run(interrupt=False)[3]
+
+
+def test_only_the_single_step_in_flight_may_be_interrupted():
+    """With async scheduling the next step is built on the running one's tokens: neither may be cut short."""
+    scheduler = make_scheduler()
+    scheduler.add_request("a", [5, 6, 7], params(6))
+    first = scheduler.schedule()
+    assert [s.seq_id for s in scheduler.interruptible(first.step_id)] == ["a/0"]
+    second = scheduler.schedule()
+    assert scheduler.interruptible(first.step_id) is None and scheduler.interruptible(second.step_id) is None
 
 
 def test_bad_requests_are_rejected_before_anything_is_allocated():
