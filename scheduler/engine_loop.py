@@ -81,6 +81,24 @@ class BuildCost:
         return 0 < self.host_seconds <= self.small_share * self.busy_seconds
 
 
+@dataclass
+class InterruptAllowance:
+    """Worker time the loop may throw away on steps cut short (EngineLoop.interrupt_for): refilled at `share` of
+    the wall clock, holding at most one step's worth. Arrivals that outrank the work in hand one after another (two
+    tenants flooding by turns) would otherwise cut every step and keep half of each."""
+    share: float = 0.1
+    seconds: float = 0.0
+    at: float = 0.0
+
+    def take(self, cost: float, step_seconds: float, now: float) -> bool:
+        self.seconds = min(step_seconds, self.seconds + (now - self.at) * self.share)
+        self.at = now
+        if cost > self.seconds:
+            return False
+        self.seconds -= cost
+        return True
+
+
 class EngineLoop:
     """Owns the core Scheduler and its worker; the only code that calls schedule/update."""
 
@@ -99,6 +117,7 @@ class EngineLoop:
         self.last_sent_step_id = 0   # the worker runs the steps in the order they were sent
         self.last_sent_at = 0.0      # and when (perf_counter)
         self.interrupted_step_id = 0  # the last step the worker was asked to cut short
+        self.interrupt_allowance = InterruptAllowance()
         self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
         self.build_cost = BuildCost()
         self.contended_at = -CONTENDED_MEMORY_S   # when the policy last ranked requests against each other
@@ -154,7 +173,7 @@ class EngineLoop:
         worker to cut it short between two layers, if it has run less than INTERRUPT_BEFORE of a step and steps are
         long beside their build (a CPU's): the arrival then waits for a layer rather than the rest of the step, and
         the step's work is scheduled again after the arrival's own step (Scheduler.take_back). It costs that work
-        the part of the step already done."""
+        the part of the step already done, at most a tenth of the worker's time (InterruptAllowance)."""
         step_id = self.last_sent_step_id
         if step_id == self.interrupted_step_id or not self.build_cost.small():
             return
@@ -162,10 +181,12 @@ class EngineLoop:
         work = self.scheduler.interruptible(step_id)
         if seq not in self.scheduler.waiting or not work:
             return
-        if time.perf_counter() - self.last_sent_at > INTERRUPT_BEFORE * self.build_cost.busy_seconds:
+        now, step_seconds = time.perf_counter(), self.build_cost.busy_seconds
+        if now - self.last_sent_at > INTERRUPT_BEFORE * step_seconds:
             return
         steps = self.scheduler.counters.steps
-        if any(self.scheduler.policy.may_preempt_for(seq, running, steps) for running in work):
+        if (any(self.scheduler.policy.may_preempt_for(seq, running, steps) for running in work)
+                and self.interrupt_allowance.take(now - self.last_sent_at, step_seconds, now)):
             self.interrupted_step_id = step_id
             asyncio.ensure_future(self.worker.interrupt(step_id))
 

@@ -254,9 +254,10 @@ def served_run(model: str, num_schedulers: int, policy: str, options: TenantBenc
         asyncio.run(warm_up(base_url, prompts))
         phases = {}
         for name, (light, flood) in phases_of(policy, options).items():
-            before = queue_times(metrics_urls)
+            before, cut_before = queue_times(metrics_urls), interrupted_steps(stack)
             phases[name] = asyncio.run(run_phase(base_url, replace(prompts, phase=name), options, light, flood))
             phases[name]["drain_s"] = drain(stack)
+            phases[name]["interrupted_steps"] = interrupted_steps(stack) - cut_before
             add_queue_times(phases[name], before, queue_times(metrics_urls))
             print(f"[bench] {num_schedulers} scheduler(s) {policy} {name}: {phases[name]}", file=sys.stderr,
                   flush=True)
@@ -273,13 +274,22 @@ async def warm_up(base_url: str, prompts: Prompts) -> None:
         raise RuntimeError(f"the warm-up request failed: {answers[0].error}")
 
 
+def scheduler_stats(stack: ServedStack) -> list[scheduler_pb2.StatsResponse]:
+    metadata = token_metadata(stack.cluster_token)
+    return [scheduler_pb2_grpc.SchedulerStub(stack.channel_to(address)).Stats(
+        scheduler_pb2.StatsRequest(), timeout=5, metadata=metadata) for address in stack.schedulers]
+
+
+def interrupted_steps(stack: ServedStack) -> int:
+    """Steps the schedulers have had cut short so far, for a request that outranked their work."""
+    return sum(s.num_interrupted_steps for s in scheduler_stats(stack))
+
+
 def drain(stack: ServedStack) -> float:
     """Seconds until every scheduler has no request running or waiting (those the phase cancelled gone)."""
-    metadata, started = token_metadata(stack.cluster_token), time.monotonic()
+    started = time.monotonic()
     while time.monotonic() - started < DRAIN_TIMEOUT_S:
-        stats = [scheduler_pb2_grpc.SchedulerStub(stack.channel_to(address)).Stats(
-            scheduler_pb2.StatsRequest(), timeout=5, metadata=metadata) for address in stack.schedulers]
-        if not any(s.num_running or s.num_waiting for s in stats):
+        if not any(s.num_running or s.num_waiting for s in scheduler_stats(stack)):
             return round(time.monotonic() - started, 2)
         time.sleep(0.1)
     raise RuntimeError(f"the schedulers still had requests {DRAIN_TIMEOUT_S:.0f}s after the phase")

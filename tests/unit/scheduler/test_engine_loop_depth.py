@@ -12,7 +12,7 @@ import pytest
 from base.config import EngineConfig
 from base.sampling_params import SamplingParams
 from protos import worker_pb2
-from scheduler.engine_loop import BuildCost, EngineLoop
+from scheduler.engine_loop import BuildCost, EngineLoop, InterruptAllowance
 from scheduler.sequence import Tenancy
 from tests.unit.scheduler.test_scheduler import BLOCK_SIZE, EOS, FakeWorker
 
@@ -165,3 +165,13 @@ def test_an_arrival_that_outranks_the_running_step_has_it_cut_short_and_nothing_
 def test_an_arrival_under_fcfs_waits_for_the_running_step():
     worker, _, next_step = asyncio.run(light_arrival_mid_step("fcfs"))
     assert not worker.fake.asked_to_stop and "light1/0" in next_step
+
+
+def test_steps_cut_short_throw_away_at_most_a_tenth_of_the_worker_time():
+    allowance, now, lost = InterruptAllowance(share=0.1), 1000.0, 0.0
+    for _ in range(200):   # an arrival that outranks the work every 50 ms, each 40 ms into a 100-ms step
+        now += 0.05
+        lost += 0.04 * allowance.take(0.04, 0.1, now)
+    assert 0.9 <= lost <= 1.0 + 0.1   # 10 s: a tenth of them, and the first step's worth held at the start
+    allowance = InterruptAllowance(share=0.1)
+    assert all(allowance.take(0.05, 0.1, now + second) for second in range(30))   # one a second: never refused
