@@ -76,6 +76,8 @@ def test_tenants_bench_answers_every_phase_of_a_small_served_load(tiny_llama_dir
     for run in (fcfs, fair):
         for phase in run["phases"].values():
             assert phase.pop("drain_s") >= 0
+            cut = phase.pop("interrupted_steps")
+            assert cut >= 0 and (run is fair or cut == 0)   # fcfs: nothing ever outranks the work in hand
             for tenant in phase.values():
                 assert tenant["count"] > 0 and tenant["errors"] == 0
                 assert 0 < tenant["ttft_ms"]["p50"] <= tenant["ttft_ms"]["p90"]
