@@ -178,7 +178,7 @@ class ModelRunner:
     def result_of(self, launched: LaunchedStep) -> worker_pb2.StepResult:
         """Its tokens to the host, kept by their sequences (and proposed after, with a draft model)."""
         result = worker_pb2.StepResult(step_id=launched.req.step_id, num_fed_tokens=launched.num_fed_tokens,
-                                       interrupted=launched.interrupted)
+                                       interrupted=launched.interrupted, forward_seconds=launched.seconds)
         if not launched.chunks or launched.interrupted:
             return result
         tokens, logprobs = [], []

@@ -75,8 +75,6 @@ class Scheduler:
         self.scheduled: dict[str, tuple[Sequence, int]] = {}   # the step being scheduled
         self.in_flight: dict[int, list[ScheduledChunk]] = {}     # built steps whose results are not in, by id
         self.budget = 0                           # tokens left to hand out in the step being scheduled
-        # set by the service's loop while an arrival may outrank the work in hand (held_prefill)
-        self.short_prefills = False
         self.vocab_size = model.vocab_size
         self.structured = StructuredOutputManager(model.model_path, model.vocab_size, list(model.eos_token_ids),
                                                   config.structured_output_compile_workers,
@@ -199,10 +197,7 @@ class Scheduler:
         admitting, queued = True, set(self.waiting)
         adapters = {s.lora_name for s in self.running if s.lora_name}
         leader = None   # the first sequence given prompt tokens: those it may preempt get none in this step
-        order = self.policy.order(prefills, list(self.waiting), self.counters.steps)
-        held = self.held_prefill(order)
-        self.budget -= held
-        for seq in order:
+        for seq in self.policy.order(prefills, list(self.waiting), self.counters.steps):
             if leader is not None and self.policy.may_preempt_for(leader, seq, self.counters.steps):
                 continue
             if seq.status is SequenceStatus.RUNNING:
@@ -218,25 +213,9 @@ class Scheduler:
                     self.lora.stop_waiting(seq.seq_id)
             if leader is None and seq.seq_id in self.scheduled:
                 leader = seq
-        self.budget += held
         if leader in queued:
             self.sit_out(leader, decodes)
         return self.build_step()
-
-    def held_prefill(self, order: list[Sequence]) -> int:
-        """Budget held back from this step's prompt tokens: with short_prefills, all but half the step's budget,
-        unless the first in order outranks running work (it then gets the step, sit_out). A request that arrives
-        while a step runs waits for that step to end: shorter steps of the work it would outrank are a shorter wait,
-        and the decodes of the work in hand still run every step. Half, not less: fewer prompt tokens a step and a
-        flood's streams wait longer for their prefill, fewer of them decode, and its throughput falls (on 2 CPU
-        cores with one scheduler: 0.78x of fcfs at a quarter of a 128-token budget, or at twice the step's decodes;
-        0.91x at half)."""
-        if not self.short_prefills or not order or not self.running:   # nothing to wait for
-            return 0
-        first = order[0]
-        if any(self.policy.may_preempt_for(first, seq, self.counters.steps) for seq in self.running):
-            return 0
-        return max(0, self.budget - self.config.max_num_batched_tokens // 2)
 
     def sit_out(self, newcomer: Sequence, decodes: list[Sequence]) -> None:
         """The decodes that newcomer, admitted in this step, may preempt sit the step out: it is then newcomer's

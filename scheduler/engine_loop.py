@@ -58,7 +58,7 @@ class RequestStream:
 
 
 CONTENDED_MEMORY_S = 10.0   # how long after its policy was last contended the loop still builds steps late
-INTERRUPT_BEFORE = 0.5      # of a step's usual time: later than that, an arrival waits for the rest of the step
+INTERRUPT_BEFORE = 1.0      # of a step's usual time: later than that, an arrival waits for the rest of the step
 
 
 @dataclass
@@ -308,13 +308,12 @@ class EngineLoop:
         so the worker starts it as soon as it is done), else one. Also one while the policy ranks requests against
         each other (contended: several tenants or priorities), or did lately, and building a step after the last
         one's result costs the worker little: an arrival that outranks the work in hand (a tenant back from a short
-        idle, too) then joins the next step, not the one after; meanwhile the scheduler keeps prompt chunks short
-        (Scheduler.held_prefill), so that the step it waits for is short too."""
+        idle, too) then joins the next step, not the one after, and may have the running one cut short
+        (interrupt_for)."""
         now = time.monotonic()
         if self.scheduler.policy.contended():
             self.contended_at = now
         late = now - self.contended_at < CONTENDED_MEMORY_S and self.build_cost.small()
-        self.scheduler.short_prefills = late   # the running step is what such an arrival waits for
         if not self.config.async_scheduling:
             return 1
         return 1 if late else 2

@@ -26,7 +26,6 @@ class PacedWorker:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     held: int = 0
     held_on_arrival: list[int] = field(default_factory=list)
-    short_prefills_on_arrival: list[bool] = field(default_factory=list)   # what the loop had set in its scheduler
     scheduler: object = None
 
     started: asyncio.Event = field(default_factory=asyncio.Event)   # set as each step begins
@@ -34,7 +33,6 @@ class PacedWorker:
     async def step(self, request: worker_pb2.StepRequest, timeout: float | None = None) -> worker_pb2.StepResult:
         self.held += 1
         self.held_on_arrival.append(self.held)
-        self.short_prefills_on_arrival.append(self.scheduler.short_prefills)
         try:
             async with self.lock:
                 self.started.set()
@@ -66,7 +64,6 @@ async def serve(policy: str, *waves: str) -> PacedWorker:
     try:
         for wave, tenants in enumerate(waves):
             worker.held_on_arrival.clear()
-            worker.short_prefills_on_arrival.clear()
             for i in range(2 * len(tenants)):
                 loop.add_request(f"w{wave}r{i}", [10 + i, 11, 12, 13], params, outputs,
                                  tenancy=Tenancy(tenants[i % len(tenants)]))
@@ -92,8 +89,6 @@ def test_the_worker_holds_one_step_while_the_policy_is_contended(policy, tenants
         assert 2 not in held[3:]   # the first steps go before a result has told what a build costs
     else:
         assert held.count(2) > len(held) // 2
-    # prompt chunks kept short (Scheduler.held_prefill) exactly while steps are built late
-    assert all(worker.short_prefills_on_arrival[3:]) if one_at_a_time else not any(worker.short_prefills_on_arrival)
 
 
 def test_a_build_that_costs_the_worker_more_than_a_small_share_of_a_step_keeps_async_scheduling():

@@ -221,14 +221,9 @@ def test_a_step_that_starts_an_under_served_tenants_prompt_carries_no_work_of_th
         assert prefill_tokens(step, flood) > 0 and "flood0/0" in decoding
 
 
-@pytest.mark.parametrize("short_prefills", [False, True])
-def test_while_an_arrival_may_outrank_the_work_in_hand_its_prompt_chunks_are_short_but_the_newcomers_is_whole(
-        short_prefills):
-    """The service's loop sets short_prefills while the policy is contended: a step then gives the flood's prompts
-    half its budget, while the light arrival's own prompt, which outranks the flood, gets its step whole."""
+def test_a_light_arrival_gets_its_prompt_whole_in_a_step_the_floods_decodes_and_prompts_sit_out():
     scheduler, worker = make_scheduler(scheduling_policy="fair", max_num_batched_tokens=64, num_blocks=1024,
                                        max_model_len=256), FakeWorker()
-    scheduler.short_prefills = short_prefills
     chats, documents = {f"chat{i}" for i in range(12)}, {f"doc{i}" for i in range(4)}
     for request_id in sorted(chats):
         add(scheduler, request_id, prompt_len=4, max_tokens=100, tenant="flood")
@@ -237,7 +232,7 @@ def test_while_an_arrival_may_outrank_the_work_in_hand_its_prompt_chunks_are_sho
         add(scheduler, request_id, prompt_len=120, max_tokens=100, tenant="flood")
     step = scheduler.schedule()
     decoding = sum(s.num_scheduled_tokens == 1 for s in step.cached_seqs)
-    assert decoding == 12 and prefill_tokens(step, documents) == (32 if short_prefills else 64 - 12)
+    assert decoding == 12 and prefill_tokens(step, documents) == 64 - 12
     scheduler.update(step, worker.step(step))
     for _ in range(10):
         run_step(scheduler, worker)
