@@ -58,7 +58,6 @@ class RequestStream:
 
 
 CONTENDED_MEMORY_S = 10.0   # how long after its policy was last contended the loop still builds steps late
-INTERRUPT_BEFORE = 1.0      # of a step's usual time: later than that, an arrival waits for the rest of the step
 
 
 @dataclass
@@ -84,14 +83,15 @@ class BuildCost:
 @dataclass
 class InterruptAllowance:
     """Worker time the loop may throw away on steps cut short (EngineLoop.interrupt_for): refilled at `share` of
-    the wall clock, holding at most one step's worth. Arrivals that outrank the work in hand one after another (two
-    tenants flooding by turns) would otherwise cut every step and keep half of each."""
+    the wall clock, holding at most `steps` of a step's usual time. Arrivals that outrank the work in hand one after
+    another (two tenants flooding by turns) would otherwise cut every step and keep half of each."""
     share: float = 0.1
+    steps: float = 2.0
     seconds: float = 0.0
     at: float = 0.0
 
     def take(self, cost: float, step_seconds: float, now: float) -> bool:
-        self.seconds = min(step_seconds, self.seconds + (now - self.at) * self.share)
+        self.seconds = min(self.steps * step_seconds, self.seconds + (now - self.at) * self.share)
         self.at = now
         if cost > self.seconds:
             return False
@@ -170,10 +170,11 @@ class EngineLoop:
 
     def interrupt_for(self, request_id: str) -> None:
         """A queued arrival that outranks work in the one step with the worker (steps built late: depth()) asks the
-        worker to cut it short between two layers, if it has run less than INTERRUPT_BEFORE of a step and steps are
-        long beside their build (a CPU's): the arrival then waits for a layer rather than the rest of the step, and
-        the step's work is scheduled again after the arrival's own step (Scheduler.take_back). It costs that work
-        the part of the step already done, at most a tenth of the worker's time (InterruptAllowance)."""
+        worker to cut it short between two layers, where steps are long beside their build (a CPU's): the arrival
+        then waits for a layer rather than the rest of the step, and the step's work is scheduled again after the
+        arrival's own step (Scheduler.take_back). It costs that work the part of the step already done, at most a
+        tenth of the worker's time (InterruptAllowance). However long the step has run, it is cut: steps vary (one
+        after a newcomer's carries what sat that one out), and one past the usual time may be far from its end."""
         step_id = self.last_sent_step_id
         if step_id == self.interrupted_step_id or not self.build_cost.small():
             return
@@ -181,12 +182,9 @@ class EngineLoop:
         work = self.scheduler.interruptible(step_id)
         if seq not in self.scheduler.waiting or not work:
             return
-        now, step_seconds = time.perf_counter(), self.build_cost.busy_seconds
-        if now - self.last_sent_at > INTERRUPT_BEFORE * step_seconds:
-            return
-        steps = self.scheduler.counters.steps
+        now, steps = time.perf_counter(), self.scheduler.counters.steps
         if (any(self.scheduler.policy.may_preempt_for(seq, running, steps) for running in work)
-                and self.interrupt_allowance.take(now - self.last_sent_at, step_seconds, now)):
+                and self.interrupt_allowance.take(now - self.last_sent_at, self.build_cost.busy_seconds, now)):
             self.interrupted_step_id = step_id
             asyncio.ensure_future(self.worker.interrupt(step_id))
 
