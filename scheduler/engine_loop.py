@@ -118,6 +118,7 @@ class EngineLoop:
         self.last_sent_at = 0.0      # and when (perf_counter)
         self.interrupted_step_id = 0  # the last step the worker was asked to cut short
         self.interrupt_allowance = InterruptAllowance()
+        self.interrupting: asyncio.Future | None = None   # the last Interrupt call, held: asyncio holds weakly
         self.waiting_since: float | None = None   # when the loop began waiting on the worker (a step, a restart)
         self.build_cost = BuildCost()
         self.contended_at = -CONTENDED_MEMORY_S   # when the policy last ranked requests against each other
@@ -186,7 +187,7 @@ class EngineLoop:
         if (any(self.scheduler.policy.may_preempt_for(seq, running, steps) for running in work)
                 and self.interrupt_allowance.take(now - self.last_sent_at, self.build_cost.busy_seconds, now)):
             self.interrupted_step_id = step_id
-            asyncio.ensure_future(self.worker.interrupt(step_id))
+            self.interrupting = asyncio.ensure_future(self.worker.interrupt(step_id))
 
     def pulls_from(self, source: scheduler_pb2.KvSource | None) -> bool:
         return (source is not None and self.kv_pulls is not None and self.config.enable_prefix_caching
