@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -18,6 +19,8 @@ from protos import scheduler_pb2
 from protos.registration import KEY_PREFIX, SchedulerInfo, blocks_key, registry_key, scheduler_key, signed_registration
 
 log = logging.getLogger(__name__)
+
+EVENTS_FLUSH_INTERVAL_S = 0.05   # KV events gathered this long go to Redis in one write (a decode step fills blocks)
 
 
 def current_registration(identity: SchedulerInfo, stats: scheduler_pb2.StatsResponse) -> SchedulerInfo:
@@ -31,11 +34,13 @@ def current_registration(identity: SchedulerInfo, stats: scheduler_pb2.StatsResp
 class Registry:
     """Heartbeat and KV-event publisher of one scheduler; runs beside the loop, never inside it.
     held_fn: the block hashes this scheduler holds now (cached and announced), for rewriting its block set;
-    cluster_token: what registrations are signed with, so that routers holding it trust them (empty: unsigned)."""
+    cluster_token: what registrations are signed with, so that routers holding it trust them (empty: unsigned);
+    flush_interval: how long KV events are gathered before one write carries them."""
 
     def __init__(self, redis_url: str, info_fn: Callable[[], SchedulerInfo], ttl: float = 3.0,
                  prefix: str = KEY_PREFIX, password: str = "", held_fn: Callable[[], Iterable[int]] = tuple,
-                 serving_fn: Callable[[], bool] = lambda: True, cluster_token: str = ""):
+                 serving_fn: Callable[[], bool] = lambda: True, cluster_token: str = "",
+                 flush_interval: float = EVENTS_FLUSH_INTERVAL_S):
         self.redis = aioredis.from_url(redis_url, password=password or None, socket_timeout=1.0,
                                        socket_connect_timeout=1.0)
         self.info_fn = info_fn
@@ -44,6 +49,7 @@ class Registry:
         self.cluster_token = cluster_token
         self.ttl = ttl
         self.prefix = prefix
+        self.flush_interval = flush_interval
         self.events: asyncio.Queue[tuple[list[int], list[int]]] = asyncio.Queue(maxsize=1024)
         self.tasks: list[asyncio.Task] = []
         self.registered = asyncio.Event()   # set by the first heartbeat Redis took
@@ -51,6 +57,10 @@ class Registry:
         # left entries) and after any event batch was dropped.
         self.index_stale = True
         self.writing = asyncio.Lock()       # rewrites and event batches reach Redis one at a time, in order
+
+    @functools.cached_property
+    def scheduler_id(self) -> str:
+        return self.info_fn().scheduler_id    # info_fn reads the load too: not once per event write
 
     @property
     def ttl_ms(self) -> int:
@@ -122,6 +132,7 @@ class Registry:
     async def publish_events(self) -> None:
         while True:
             batches = [await self.events.get()]
+            await asyncio.sleep(self.flush_interval)
             while not self.events.empty():
                 batches.append(self.events.get_nowait())
             try:
@@ -131,21 +142,22 @@ class Registry:
                 log.warning("dropping %d KV event batches, redis failed: %s", len(batches), e)
 
     async def write_events(self, batches: list[tuple[list[int], list[int]]]) -> None:
-        """One pipeline, batches in the order the loop produced them (a block may be evicted, then stored again)."""
-        key = blocks_key(self.info_fn().scheduler_id, self.prefix)
+        """The batches' net effect in one pipeline: each block as the last batch that names it left it (a block
+        may be evicted, then stored again)."""
+        key = blocks_key(self.scheduler_id, self.prefix)
+        stored, removed = net_events(batches)
         pipe = self.redis.pipeline(transaction=False)
-        for stored, removed in batches:
-            if removed:
-                pipe.srem(key, *removed)
-            if stored:
-                pipe.sadd(key, *stored)
+        if removed:
+            pipe.srem(key, *removed)
+        if stored:
+            pipe.sadd(key, *stored)
         pipe.pexpire(key, self.ttl_ms)   # a set these writes create expires too
         async with self.writing:
             await pipe.execute()
 
     async def leave(self) -> None:
         """Deregister and clear this scheduler's block set (the next beat registers it again, with its blocks)."""
-        scheduler_id = self.info_fn().scheduler_id
+        scheduler_id = self.scheduler_id
         try:
             pipe = self.redis.pipeline(transaction=True)
             pipe.srem(registry_key(self.prefix), scheduler_id)
@@ -160,3 +172,12 @@ class Registry:
             task.cancel()
         await self.leave()
         await self.redis.aclose()
+
+
+def net_events(batches: list[tuple[list[int], list[int]]]) -> tuple[list[int], list[int]]:
+    """(stored, removed) in order → the blocks stored and removed once all of them are applied."""
+    last: dict[int, bool] = {}
+    for stored, removed in batches:
+        last.update(dict.fromkeys(removed, False))
+        last.update(dict.fromkeys(stored, True))
+    return [h for h, held in last.items() if held], [h for h, held in last.items() if not held]

@@ -117,6 +117,27 @@ def test_after_redis_loses_everything_the_next_heartbeat_registers_and_publishes
     assert asyncio.run(scenario()) == {"a": 3}
 
 
+def test_kv_events_of_consecutive_steps_reach_redis_as_one_write_of_their_net_effect(redis_url):
+    client = redis.Redis.from_url(redis_url)
+
+    def writes() -> int:
+        return client.info("commandstats").get("cmdstat_pexpire", {}).get("calls", 0)
+
+    async def scenario() -> tuple[set[bytes], int]:
+        publisher = registry(redis_url, "a", flush_interval=0.2)
+        task = asyncio.create_task(publisher.publish_events())
+        before = writes()
+        for stored, removed in (([11, 12], []), ([13], [12]), ([12], [11])):   # three steps' events
+            publisher.push_kv_events(stored, removed)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await publisher.redis.aclose()
+        return client.smembers("ferry:blocks:a"), writes() - before
+
+    assert asyncio.run(scenario()) == ({b"12", b"13"}, 1)
+
+
 def test_a_scheduler_restarted_under_the_same_id_publishes_only_what_it_holds_now(redis_url):
     async def scenario() -> dict[str, int]:
         before = registry(redis_url, "a")
