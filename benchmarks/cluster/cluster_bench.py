@@ -39,10 +39,12 @@ from benchmarks.common.routing_workloads import adapter_names, adapter_picks
 from benchmarks.common.workloads import BenchRequest
 from router.kv_pull import KvPullOptions
 from router.policy import POLICIES, CacheAwarePolicy, RoutingPolicy
+from scheduler.presence import EVENTS_FLUSH_INTERVAL_S
 
 TTFT_TARGET_S = 2.0
 REGISTRATION_READ_S = 0.5   # router/discovery.py's refresh_seconds in `ferry up`
-KV_EVENT_LAG_S = 0.002      # the scheduler's publishing task: a turn of its event loop and one Redis write (estimated)
+# the scheduler's publishing task: its gathering of a step's events, a turn of its event loop and one Redis write
+KV_EVENT_LAG_S = EVENTS_FLUSH_INTERVAL_S + 0.002
 BENCH_POLICIES = {**POLICIES, "adapter_blind": lambda: CacheAwarePolicy(adapter_load_tokens=0),
                   "cache_aware_no_pull": lambda: CacheAwarePolicy(kv_pull=KvPullOptions(kv_pull=False))}
 """The router's policies; cache_aware blind to where adapters are resident (the baseline of adapter affinity), and

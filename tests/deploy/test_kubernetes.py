@@ -430,7 +430,8 @@ def test_the_manifests_redis_requires_the_password_from_its_secret_file(tmp_path
     script = script.replace(secret_file, str(tmp_path / "redis-password")) + f" --port {port} --bind 127.0.0.1"
     server = subprocess.Popen([*shell, script], stdout=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_until(lambda: redis_answers(f"redis://:{password}@127.0.0.1:{port}"), "the manifest's redis up", timeout=15)
+        wait_until(lambda: redis_answers(f"redis://:{password}@127.0.0.1:{port}"), "the manifest's redis up",
+                   timeout=15)
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port).ping()
         assert not [args for args in command_lines_of_every_process() if password in args]
