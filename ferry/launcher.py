@@ -257,6 +257,7 @@ def raise_interrupt(*_) -> None:
 def run_up(args: argparse.Namespace) -> int:
     try:
         from_args(EngineConfig, args).validate()   # a bad flag stops here, before any process starts
+        from_args(RouterOptions, args, skip=ROUTER_SET_HERE)
         parse_tenant_config(args.tenant_config)
         envs = scheduler_envs(disaggregated_count(args) or args.num_schedulers, visible_gpus(args.device),
                               args.tensor_parallel_size)

@@ -81,6 +81,7 @@ class Router:
     prefilling: dict[str, int] = field(default_factory=lambda: defaultdict(int))   # prompt tokens, by scheduler id
     telemetry: RouterTelemetry = field(default_factory=RouterTelemetry)
     max_concurrent_requests: int = 4096
+    stream_interval: int = 1   # tokens per message for a request that does not set its own
     in_flight: int = 0
     connections: dict[str, SchedulerConnection] = field(default_factory=dict)   # by scheduler address
     retries: RetryGovernor = field(default_factory=RetryGovernor)
@@ -169,7 +170,8 @@ class Router:
             return StreamState(request_id, len(prompt_ids),
                                [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
                                                                    params.include_stop_str_in_output))
-                                for _ in range(params.n)], stream_interval=max(1, request.stream_interval),
+                                for _ in range(params.n)],
+                               stream_interval=request.stream_interval or self.stream_interval,
                                scored_prompt=prompt_ids if params.prompt_logprobs is not None else None)
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,

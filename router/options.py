@@ -38,6 +38,8 @@ class RouterOptions:
                                           "cluster is saturated), a new one is refused with 429 if its tenant holds "
                                           "its weighted share of them or more; 0: never shed")
     max_concurrent_requests: int = option(4096, "streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
+    stream_interval: int = option(1, "tokens per streamed message for requests that do not set their own "
+                                     "(`stream_interval`): fewer messages, less CPU a token, tokens in bursts")
     max_request_bytes: int = option(MAX_REQUEST_BYTES, "largest HTTP body (larger: 413) or gRPC message accepted")
     drain_timeout: float = option(DRAIN_TIMEOUT_S, "on SIGTERM, seconds in-flight streams get to finish")
     scheduler_keepalive: float = option(10.0, "a scheduler silent this many seconds is pinged; still silent after "
@@ -52,3 +54,7 @@ class RouterOptions:
     reuse_port: bool = no_flag(False)     # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
     tool_call_parser: str = option("", 'the format "auto" tool calls are read in; empty: what the chat template '
                                        "shows", choices=sorted(PARSERS))
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")

@@ -109,6 +109,7 @@ async def serve(options: RouterOptions) -> int:
     telemetry.metrics.tenants.named = frozenset(tenants.policies)
     router = Router(directory, routing_policy(options), telemetry=telemetry,
                     max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry),
+                    stream_interval=options.stream_interval,
                     key_limiter=limiter, tenants=tenants,
                     tenant_admission=TenantAdmission(options.shed_queued_requests))
     http = None

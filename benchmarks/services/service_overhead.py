@@ -6,10 +6,12 @@
 3. the same again with tracing on: every service exports OTLP to a receiver in this process that counts spans
    (a stand-in for Jaeger, which cannot run here).
 Reports output tok/s of each and the ratios (2)/(1), what the split costs, and (3)/(2), what tracing costs
-(the targets: >= 90% and >= 97%).
+(the targets: >= 90% and >= 97%). `--stream-intervals 1,4` repeats (2) with `ferry up --stream-interval 4`
+(tokens per streamed message) after it: what fewer messages buy, as a ratio of the same offline run.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import threading
@@ -61,10 +63,16 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
     offline = run_ferry(config, "continuous", requests, progress=sys.stderr.isatty()).as_dict()
     print(f"[bench] offline: {offline['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr, flush=True)
     engine_flags = ["--model", model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                    "--kv-cache-memory", str(args.kv_cache_memory)]
+                    "--kv-cache-memory", str(args.kv_cache_memory), "--stream-interval", str(args.stream_intervals[0])]
     untraced = served(requests, engine_flags, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
     print(f"[bench] served, tracing off: {untraced['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr,
           flush=True)
+    by_interval = {}
+    for interval in args.stream_intervals[1:]:
+        by_interval[interval] = served(requests, [*engine_flags, "--stream-interval", str(interval)],
+                                       {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+        print(f"[bench] served, --stream-interval {interval}: {by_interval[interval]['output_tokens_per_s']:.1f} "
+              "output tok/s", file=sys.stderr, flush=True)
     counter, server, endpoint = start_span_counter()
     try:
         traced = served(requests, engine_flags, {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
@@ -78,7 +86,11 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
     return {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
             "dtype": args.dtype, "offline": offline, "served": untraced, "served_traced": traced,
             "spans_received": counter.spans,
-            "ratios": {"served/offline": round(served_ratio, 3), "traced/untraced": round(tracing_ratio, 3)},
+            "stream_interval": args.stream_intervals[0], "served_by_stream_interval": by_interval,
+            "ratios": {"served/offline": round(served_ratio, 3), "traced/untraced": round(tracing_ratio, 3),
+                       **{f"served/offline at --stream-interval {interval}":
+                          round(result["output_tokens_per_s"] / offline["output_tokens_per_s"], 3)
+                          for interval, result in by_interval.items()}},
             "claims": {"served_within_90pct": served_ratio >= 0.9, "tracing_within_3pct": tracing_ratio >= 0.97}}
 
 
@@ -87,7 +99,17 @@ def main(argv: list[str]) -> int:
     add_workload_args(parser)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    parser.add_argument("--stream-intervals", type=positive_ints, default=[1],
+                        help="comma list: `ferry up --stream-interval` of the served run (the first) and of further "
+                             "untraced served runs")
     args = parser.parse_args(argv)
     directory = model_dir(args)
     report(args, run(args, load_requests(args, directory), directory))
     return 0
+
+
+def positive_ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"positive integers, comma separated: {text!r}")
+    return values

@@ -69,7 +69,7 @@ class SamplingRequest(PlainSamplingFields):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
-    stream_interval: UINT32 | None = None   # tokens per streamed chunk (a Ferry extension; vLLM has it per server)
+    stream_interval: UINT32 | None = None   # tokens per streamed chunk; unset: the router's --stream-interval
     priority: INT32 | None = None           # vLLM's: lower is served first (--scheduling-policy priority or fair)
 
     @property

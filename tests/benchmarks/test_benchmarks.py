@@ -120,11 +120,13 @@ def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, 
     workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 5 + n)), "max_tokens": 6}
                                     for n in (4, 9, 17)]))
     result = run_bench("split", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
-                       str(workload), "--kv-cache-memory", "4000000")
+                       str(workload), "--kv-cache-memory", "4000000", "--stream-intervals", "1,4")
     assert result["offline"]["output_tokens"] == 18
     assert result["served"]["completed"] == result["served_traced"]["completed"] == 3
     assert result["spans_received"] >= 3 * 2      # at least a router and a scheduler span per request
-    assert set(result["ratios"]) == {"served/offline", "traced/untraced"}
+    assert set(result["ratios"]) == {"served/offline", "traced/untraced", "served/offline at --stream-interval 4"}
+    four = result["served_by_stream_interval"]["4"]
+    assert four["completed"] == 3 and four["output_tokens_per_s"] * four["duration_s"] == pytest.approx(18)
 
 
 def test_async_bench_serves_the_same_requests_with_async_scheduling_on_off_and_overlapped_and_reads_the_workers_time(

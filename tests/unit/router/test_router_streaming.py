@@ -13,16 +13,18 @@ NUM_TOKENS = 40
 
 
 async def stream(tokenizer_dir: str, stream_interval: int = 0, read_delay: float = 0.0,
-                 step_interval: float = 0.002) -> tuple[list[int], list[router_pb2.GenerateResponse]]:
-    """One request through a Router to a synthetic scheduler stepping every step_interval; the reader waits
-    read_delay after each message. Returns the tokens the scheduler emits for it and the messages the reader got."""
+                 step_interval: float = 0.002, router_stream_interval: int = 1
+                 ) -> tuple[list[int], list[router_pb2.GenerateResponse]]:
+    """One request through a Router (started with --stream-interval router_stream_interval) to a synthetic
+    scheduler stepping every step_interval; the reader waits read_delay after each message. Returns the tokens the
+    scheduler emits for it and the messages the reader got."""
     token_ids = single_character_tokens(tokenizer_dir)
     request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[5, 6, 7]),
                                          sampling=common_pb2.SamplingParams(max_tokens=NUM_TOKENS),
                                          stream_interval=stream_interval)
     messages = []
     async with synthetic_scheduler(tokenizer_dir, step_interval) as (directory, _):
-        async for response in Router(directory).generate(request):
+        async for response in Router(directory, stream_interval=router_stream_interval).generate(request):
             messages.append(response)
             await asyncio.sleep(read_delay)
     return [token_ids[i % len(token_ids)] for i in range(NUM_TOKENS)], messages
@@ -52,6 +54,19 @@ def test_stream_interval_holds_tokens_until_that_many_arrived(tokenizer_dir):
     assert streamed_tokens(messages) == expected
     assert all(len(m.token_ids) >= 7 for m in messages[:-1])
     assert len(messages) <= NUM_TOKENS // 7 + 1
+
+
+def test_the_routers_stream_interval_holds_the_tokens_of_requests_that_set_none(tokenizer_dir):
+    expected, messages = asyncio.run(stream(tokenizer_dir, step_interval=0.01, router_stream_interval=5))
+    assert streamed_tokens(messages) == expected
+    assert [len(m.token_ids) for m in messages] == [5] * (NUM_TOKENS // 5)
+
+
+def test_a_request_asking_for_every_token_gets_them_one_by_one_whatever_the_routers_stream_interval(tokenizer_dir):
+    expected, messages = asyncio.run(stream(tokenizer_dir, stream_interval=1, step_interval=0.01,
+                                            router_stream_interval=5))
+    assert streamed_tokens(messages) == expected
+    assert len(messages) > NUM_TOKENS / 2
 
 
 def test_a_stop_string_inside_merged_tokens_ends_the_sample_at_the_token_that_completed_it():
