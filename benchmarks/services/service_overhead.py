@@ -63,20 +63,21 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
     offline = run_ferry(config, "continuous", requests, progress=sys.stderr.isatty()).as_dict()
     print(f"[bench] offline: {offline['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr, flush=True)
     engine_flags = ["--model", model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-                    "--kv-cache-memory", str(args.kv_cache_memory), "--stream-interval", str(args.stream_intervals[0])]
-    untraced = served(requests, engine_flags, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+                    "--kv-cache-memory", str(args.kv_cache_memory)]
+    first, *others = args.stream_intervals
+    at = lambda interval: [*engine_flags, "--stream-interval", str(interval)]  # noqa: E731
+    untraced = served(requests, at(first), {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
     print(f"[bench] served, tracing off: {untraced['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr,
           flush=True)
     by_interval = {}
-    for interval in args.stream_intervals[1:]:
-        by_interval[interval] = served(requests, [*engine_flags, "--stream-interval", str(interval)],
-                                       {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+    for interval in others:
+        by_interval[interval] = served(requests, at(interval), {"OTEL_EXPORTER_OTLP_ENDPOINT": ""})
         print(f"[bench] served, --stream-interval {interval}: {by_interval[interval]['output_tokens_per_s']:.1f} "
               "output tok/s", file=sys.stderr, flush=True)
     counter, server, endpoint = start_span_counter()
     try:
-        traced = served(requests, engine_flags, {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                                                 "OTEL_TRACES_SAMPLER": "always_on"})
+        traced = served(requests, at(first), {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                                              "OTEL_TRACES_SAMPLER": "always_on"})
     finally:
         server.stop(grace=5)
     print(f"[bench] served, tracing on: {traced['output_tokens_per_s']:.1f} output tok/s, {counter.spans} spans",
@@ -86,7 +87,7 @@ def run(args, requests: list[BenchRequest], model_dir: str) -> dict:
     return {"workload": str(args.workload_file or args.workload), "num_requests": len(requests),
             "dtype": args.dtype, "offline": offline, "served": untraced, "served_traced": traced,
             "spans_received": counter.spans,
-            "stream_interval": args.stream_intervals[0], "served_by_stream_interval": by_interval,
+            "stream_interval": first, "served_by_stream_interval": by_interval,
             "ratios": {"served/offline": round(served_ratio, 3), "traced/untraced": round(tracing_ratio, 3),
                        **{f"served/offline at --stream-interval {interval}":
                           round(result["output_tokens_per_s"] / offline["output_tokens_per_s"], 3)
