@@ -8,8 +8,10 @@ import shutil
 import signal
 import socket
 import sys
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from base import environment
 from base.config import EngineConfig
@@ -67,6 +69,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, avoid: Iterable[int | None] = ()) -> list[int]:
+    """count distinct free ports, none of avoid: a port handed to a process that has not bound it yet (Redis
+    starting) is free to the OS, which may give it out again."""
+    taken, ports = set(avoid), []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
 
 
 def redis_server_binary() -> str:
@@ -147,9 +161,10 @@ def on_gpus(own_env: dict[str, str]) -> str:
     return f" on GPU{'s' if ',' in gpus else ''} {gpus}" if gpus else ""
 
 
-def start_redis(supervisor: Supervisor, password: str) -> str:
-    """A Redis for this stack only: on loopback, with a password (given on its standard input, not its argv)."""
-    port = free_port()
+def start_redis(supervisor: Supervisor, password: str, avoid: Iterable[int] = ()) -> str:
+    """A Redis for this stack only: on loopback, with a password (given on its standard input, not its argv), on a
+    port none of avoid (the stack's own, not bound yet)."""
+    [port] = free_ports(1, avoid)
     quoted = password.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     config = f'port {port}\nbind 127.0.0.1\nrequirepass "{quoted}"\nsave ""\nappendonly no\n'
     supervisor.start([redis_server_binary(), "-"], "redis-server", stops_last=True, stdin_text=config)
@@ -188,9 +203,10 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor, envs: list[dic
     secret_env = stack_secrets(args)
     env = {**os.environ, **secret_env}
     stack = supervisor.stack
-    redis_url = args.redis_url or start_redis(supervisor, secret_env["FERRY_REDIS_PASSWORD"])
+    redis_url = args.redis_url or start_redis(supervisor, secret_env["FERRY_REDIS_PASSWORD"],
+                                              avoid=[args.port, args.http_port])
     py = sys.executable
-    scheduler_ports = [free_port() for _ in envs]
+    scheduler_ports = free_ports(len(envs), avoid=[urlsplit(redis_url).port, args.port, args.http_port])
     config_flags = to_argv(replace(from_args(EngineConfig, args), model=model_dir))
     for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
         options = scheduler_options(args, port, redis_url, i)
