@@ -203,10 +203,10 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor, envs: list[dic
     secret_env = stack_secrets(args)
     env = {**os.environ, **secret_env}
     stack = supervisor.stack
-    redis_url = args.redis_url or start_redis(supervisor, secret_env["FERRY_REDIS_PASSWORD"],
-                                              avoid=[args.port, args.http_port])
+    fixed_ports = stack_ports(args, len(envs))
+    redis_url = args.redis_url or start_redis(supervisor, secret_env["FERRY_REDIS_PASSWORD"], avoid=fixed_ports)
     py = sys.executable
-    scheduler_ports = free_ports(len(envs), avoid=[urlsplit(redis_url).port, args.port, args.http_port])
+    scheduler_ports = free_ports(len(envs), avoid=[urlsplit(redis_url).port, *fixed_ports])
     config_flags = to_argv(replace(from_args(EngineConfig, args), model=model_dir))
     for i, (port, own_env) in enumerate(zip(scheduler_ports, envs)):
         options = scheduler_options(args, port, redis_url, i)
@@ -224,6 +224,13 @@ def start_stack(args: argparse.Namespace, supervisor: Supervisor, envs: list[dic
     print(f"[ferry] ready: router gRPC {router_address}{http} · redis {redis_url} · schedulers "
           + ", ".join(f"127.0.0.1:{p}" for p in scheduler_ports) + f" · model {model_dir}", flush=True)
     return router_address
+
+
+def stack_ports(args: argparse.Namespace, num_schedulers: int) -> list[int]:
+    """The ports the flags fix (the router's gRPC and HTTP, the schedulers' /metrics), not bound until their
+    processes start: none is handed out as a free one."""
+    metrics = [args.metrics_port + index for index in range(num_schedulers)] if args.metrics_port else []
+    return [args.port, args.http_port, *metrics]
 
 
 def scheduler_options(args: argparse.Namespace, port: int, redis_url: str, index: int) -> ServeOptions:
