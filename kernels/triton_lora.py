@@ -1,7 +1,7 @@
 """The LoRA products of one step in Triton (Punica's SGMV, vLLM's lora_shrink / lora_expand): the semantics are
 kernels/torch_lora.py's, which this keeps.
 
-Two kernels, each over (segment, tile of its rows, tile of the output's columns), rows gathered through
+One kernel, launched twice, each over (segment, tile of its rows, tile of the output's columns), rows gathered through
 `rows.order`: shrink writes x A^T of every row with an adapter into an fp32 buffer [rows with an adapter, R], in
 `order`'s order; expand adds that buffer times B^T into the rows of `out`. Rows are distinct, so no atomics. The
 grid is sized by the host's segment lengths: no launch reads the device. Programs past a segment's end return.
@@ -36,58 +36,44 @@ def _segment_rows(order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, BLO
 
 
 @triton.jit
-def _shrink_kernel(buffer_ptr, x_ptr, a_ptr, order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, K, R,
-                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _segment_matmul_kernel(out_ptr, x_ptr, w_ptr, order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, K, N,
+                           stride_xt, stride_xk, stride_ot, stride_on, stride_ws, stride_wn, stride_wk,
+                           SHRINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of x @ W[slot]^T for a segment's rows. SHRINK: x's gathered rows in, the buffer's rows (positions
+    in `order`) written; otherwise the buffer's rows in, added into out's gathered rows."""
     live, positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr,
                                                          BLOCK_M)
     if not live:
         return
-    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_valid = offs_r < R
+    if SHRINK:
+        x_rows = rows
+        out_rows = positions
+    else:
+        x_rows = positions
+        out_rows = rows
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak  # A^T's tile
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + slot * stride_ws + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # W^T's tile
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         k_valid = k + offs_k < K
         x = load_tile(x_ptrs, m_valid[:, None] & k_valid[None, :], UPCAST)
-        a = load_tile(a_ptrs, k_valid[:, None] & r_valid[None, :], UPCAST)
-        acc = tl.dot(x, a, acc=acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K * stride_ak
-    tl.store(buffer_ptr + positions[:, None] * R + offs_r[None, :], acc, mask=m_valid[:, None] & r_valid[None, :])
-
-
-@triton.jit
-def _expand_kernel(out_ptr, buffer_ptr, b_ptr, order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr, N, R,
-                   stride_ot, stride_on, stride_bs, stride_bn, stride_br,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
-    live, positions, rows, m_valid, slot = _segment_rows(order_ptr, seg_starts_ptr, seg_lengths_ptr, seg_slots_ptr,
-                                                         BLOCK_M)
-    if not live:
-        return
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < N
-    offs_r = tl.arange(0, BLOCK_R)
-    shrunk_ptrs = buffer_ptr + positions[:, None] * R + offs_r[None, :]
-    b_ptrs = b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br  # B^T's tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for r in range(0, R, BLOCK_R):
-        r_valid = r + offs_r < R
-        shrunk = tl.load(shrunk_ptrs, mask=m_valid[:, None] & r_valid[None, :], other=0.0)
-        b = load_tile(b_ptrs, r_valid[:, None] & n_valid[None, :], UPCAST)
+        w = load_tile(w_ptrs, k_valid[:, None] & n_valid[None, :], UPCAST)
         if not UPCAST:
-            shrunk = shrunk.to(b.dtype)  # 16-bit weights: the tensor cores' own inputs, as torch rounds it too
-        acc = tl.dot(shrunk, b, acc=acc, input_precision=DOT_PRECISION)
-        shrunk_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R * stride_br
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
+            x = x.to(w.dtype)  # expand's fp32 buffer times 16-bit weights: the tensor cores' inputs, as torch rounds
+        acc = tl.dot(x, w, acc=acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    out_ptrs = out_ptr + out_rows[:, None] * stride_ot + offs_n[None, :] * stride_on
     mask = m_valid[:, None] & n_valid[None, :]
-    base = load_tile(out_ptrs, mask, True)
-    tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=mask)
+    if SHRINK:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        base = load_tile(out_ptrs, mask, True)
+        tl.store(out_ptrs, (base + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
@@ -106,14 +92,16 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
     stages = 2 if upcast else 3   # fp32 tiles: keep shared memory low
     buffer = torch.empty(num_rows, width, dtype=torch.float32, device=x.device)
     segments = (len(rows.lengths), triton.cdiv(max(rows.lengths), block_m))
-    _shrink_kernel[segments + (triton.cdiv(width, block_r),)](
+    _segment_matmul_kernel[segments + (triton.cdiv(width, block_r),)](
         buffer, x, a_stack, rows.order, rows.seg_starts, rows.seg_lengths, rows.seg_slots, in_features, width,
-        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
-        BLOCK_M=block_m, BLOCK_K=min(LORA_BLOCK_K, next_pow2(in_features, 16)), BLOCK_R=block_r, UPCAST=upcast,
-        DOT_PRECISION=precision, num_warps=4, num_stages=stages)
+        x.stride(0), x.stride(1), buffer.stride(0), buffer.stride(1),
+        a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        SHRINK=True, BLOCK_M=block_m, BLOCK_N=block_r, BLOCK_K=min(LORA_BLOCK_K, next_pow2(in_features, 16)),
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=4, num_stages=stages)
     block_n = min(LORA_BLOCK_N, next_pow2(out_features, 16))
-    _expand_kernel[segments + (triton.cdiv(out_features, block_n),)](
-        out, buffer, b_stack, rows.order, rows.seg_starts, rows.seg_lengths, rows.seg_slots, out_features, width,
-        out.stride(0), out.stride(1), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=upcast, DOT_PRECISION=precision,
+    _segment_matmul_kernel[segments + (triton.cdiv(out_features, block_n),)](
+        out, buffer, b_stack, rows.order, rows.seg_starts, rows.seg_lengths, rows.seg_slots, width, out_features,
+        buffer.stride(0), buffer.stride(1), out.stride(0), out.stride(1),
+        b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
+        SHRINK=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_r, UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=4, num_stages=stages)

@@ -11,16 +11,19 @@ import pytest
 
 pytest.importorskip("triton")
 
-BF16_POINTERS = {"out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "key_ptr", "value_ptr", "x_ptr", "a_ptr", "b_ptr"}
+BF16_POINTERS = {"out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "key_ptr", "value_ptr", "x_ptr", "w_ptr"}
 INT_POINTERS = {"block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr", "seg_starts_ptr", "seg_lengths_ptr",
                 "seg_slots_ptr"}
 
 
-def _signature(kernel, constexprs: dict) -> dict[str, str]:
-    """bf16 tensors and pool, int32 tables, int64 slots, fp32 partials and scale, int32 sizes and strides."""
+def _signature(kernel, constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
+    """bf16 tensors and pool, int32 tables, int64 slots, fp32 partials and scale, int32 sizes and strides; `pointers`
+    overrides a pointer's type."""
     def type_of(name: str) -> str:
         if name in constexprs:
             return "constexpr"
+        if name in pointers:
+            return pointers[name]
         if name in BF16_POINTERS:
             return "*bf16"
         if name in INT_POINTERS:
@@ -42,19 +45,20 @@ def compile_for_hopper() -> dict[str, int]:
     from kernels import triton_decode, triton_lora, triton_paged, triton_prefill
     attention = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, UPCAST=False, DOT_PRECISION="tf32")
     decode = dict(attention, GROUP_PAD=16, PARTITION_SIZE=512)
-    lora = dict(BLOCK_M=64, BLOCK_R=64, UPCAST=False, DOT_PRECISION="tf32")
+    lora = dict(BLOCK_M=64, UPCAST=False, DOT_PRECISION="tf32")
     kernels = {
         "store_kv": (triton_paged._store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128)),
         "decode": (triton_decode._decode_kernel, dict(decode, SINGLE_PARTITION=True)),
         "decode_partitioned": (triton_decode._decode_kernel, dict(decode, SINGLE_PARTITION=False)),
         "merge": (triton_decode._merge_partitions_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_P=8)),
         "prefill": (triton_prefill._prefill_kernel, dict(attention, GROUP_PAD=4, BLOCK_Q=16)),
-        "lora_shrink": (triton_lora._shrink_kernel, dict(lora, BLOCK_K=64)),
-        "lora_expand": (triton_lora._expand_kernel, dict(lora, BLOCK_N=64)),
+        "lora_shrink": (triton_lora._segment_matmul_kernel, dict(lora, SHRINK=True, BLOCK_N=64, BLOCK_K=64)),
+        "lora_expand": (triton_lora._segment_matmul_kernel, dict(lora, SHRINK=False, BLOCK_N=64, BLOCK_K=64)),
     }
+    fp32_buffer = {"lora_shrink": {"out_ptr": "*fp32"}, "lora_expand": {"x_ptr": "*fp32"}}
     sizes = {}
     for name, (kernel, constexprs) in kernels.items():
-        source = ASTSource(kernel, _signature(kernel, constexprs), constexprs)
+        source = ASTSource(kernel, _signature(kernel, constexprs, fp32_buffer.get(name, {})), constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
         sizes[name] = len(compiled.asm["cubin"])
     return sizes
