@@ -44,6 +44,15 @@ def add_batch_args(parser: argparse.ArgumentParser, prompt_len: int) -> None:
     parser.add_argument("--prompt-len", type=int, default=prompt_len)
 
 
+def add_rounds_args(parser: argparse.ArgumentParser, num_requests: int, prompt_len: int, max_tokens: int,
+                    rounds: int) -> None:
+    """Rounds of like requests a throughput benchmark times (the median round is reported)."""
+    parser.add_argument("--num-requests", type=int, default=num_requests, help="requests a round, all at once")
+    parser.add_argument("--prompt-len", type=int, default=prompt_len, help="prompt tokens a request")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens a request")
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds timed")
+
+
 def load_requests(args, tokenizer_dir: str | None = None) -> list[workloads.BenchRequest]:
     if args.workload_file:
         requests = workloads.load_workload_file(args.workload_file)

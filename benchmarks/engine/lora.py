@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from benchmarks.common.cli_args import add_model_args, bench_parser, concrete_dtype, machine, model_dir, report
+from benchmarks.common.cli_args import (add_model_args, add_rounds_args, bench_parser, concrete_dtype, machine,
+                                        model_dir, report)
 from ferry import Engine, EngineConfig, SamplingParams
 
 PEFT_MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -101,10 +102,7 @@ def main(argv: list[str]) -> int:
     add_model_args(parser)
     parser.add_argument("--adapters", default="1,4,16", help="comma list of distinct adapters in the batch")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    add_rounds_args(parser, num_requests=32, prompt_len=128, max_tokens=64, rounds=2)
     parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes of each engine's pool (0: default)")
     args = parser.parse_args(argv)
     report(args, measure(model_dir(args), concrete_dtype(args.dtype), [int(c) for c in args.adapters.split(",")],

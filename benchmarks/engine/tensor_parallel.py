@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from benchmarks.common.cli_args import add_model_args, bench_parser, concrete_dtype, machine, model_dir, report
+from benchmarks.common.cli_args import (add_model_args, add_rounds_args, bench_parser, concrete_dtype, machine,
+                                        model_dir, report)
 from ferry import Engine, EngineConfig, SamplingParams
 
 MiB = 1 << 20
@@ -102,10 +103,7 @@ def main(argv: list[str]) -> int:
     parser = bench_parser("tp", __doc__, json_output=True)
     add_model_args(parser)
     parser.add_argument("--sizes", default="1,2", help="comma list of tensor-parallel sizes")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_rounds_args(parser, num_requests=16, prompt_len=256, max_tokens=32, rounds=3)
     parser.add_argument("--heads", default="", help="H:KV: measure a random-weight copy of the model with these heads")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
