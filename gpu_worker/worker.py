@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from base.config import step_tokens
 from base.speculative import parse_speculative_config
 from gpu_worker.cpu import cpu_features, cpu_heap, cpu_linear, quantized_linears
 from gpu_worker.cuda import device_memory, warm_up
@@ -84,8 +85,8 @@ def kv_cache_bytes(req: worker_pb2.InitRequest, make_runner, shape, dtype: torch
     if device.type != "cuda":
         return DEFAULT_CPU_KV_BYTES
     plan = device_memory.measure(make_runner, shape, dtype, device, req.gpu_memory_utilization or 0.9,
-                                 req.max_num_batched_tokens or 2048, req.max_num_seqs or 128, max_model_len,
-                                 block_size)
+                                 step_tokens(req.max_num_batched_tokens, "cuda"), req.max_num_seqs or 128,
+                                 max_model_len, block_size)
     log.info("GPU memory: %s", plan.describe())
     return plan.checked_kv_bytes(block_bytes(shape, block_size, dtype))
 
@@ -167,7 +168,7 @@ class Worker:
             draft_pool = KVPool.of_blocks(draft[1], block_size, pool.num_blocks, dtype, device)
             self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len)
         if device.type == "cuda":
-            warm_up.compile_kernels(self.runner, req.max_num_batched_tokens or 2048, max_model_len)
+            warm_up.compile_kernels(self.runner, step_tokens(req.max_num_batched_tokens, "cuda"), max_model_len)
         if (device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None
                 and not req.enable_lora and self.tp is None):
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
@@ -183,7 +184,8 @@ class Worker:
                                           model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape),
                                           kv_dtype=info["dtype"], num_layers=shape.num_layers,
                                           num_kv_heads=whole_shape.num_kv_heads, head_dim=shape.head_dim,
-                                          tensor_parallel_size=self.tp.size if self.tp else 1)
+                                          tensor_parallel_size=self.tp.size if self.tp else 1,
+                                          max_num_batched_tokens=step_tokens(req.max_num_batched_tokens, device.type))
         rank_weight_bytes = self.tp.gather_ints(weight_bytes) if self.tp else [weight_bytes]
         if self.tp is not None:
             info["tensor_parallel_size"] = str(self.tp.size)

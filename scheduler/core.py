@@ -23,9 +23,9 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from base.config import EngineConfig
+from base.config import EngineConfig, step_tokens
 from base.sampling_params import SamplingParams
 from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
@@ -56,7 +56,9 @@ its last proposed one: num_drafts of its tokens are proposals)."""
 class Scheduler:
     def __init__(self, config: EngineConfig, model: worker_pb2.ModelInfo,
                  new_block_manager: Callable[..., BlockManager] = BlockManager):
-        self.config = config
+        # auto (0): the budget the worker sized itself for on its device (a worker that names none: a GPU's)
+        self.config = config = replace(config, max_num_batched_tokens=step_tokens(
+            config.max_num_batched_tokens or model.max_num_batched_tokens, "cuda"))
         self.block_size = model.block_size
         self.max_model_len = model.max_model_len
         self.eos_token_ids = frozenset(model.eos_token_ids)

@@ -90,13 +90,13 @@ def relative_errors(profile: CostProfile, samples: list[StepSample]) -> np.ndarr
 
 def measure(model: str, dtype: str, threads: int, name: str) -> dict:
     torch.set_num_threads(threads)
-    config = EngineConfig(model=model, dtype=dtype, device="cpu")   # Ferry's defaults: 128 seats, 2,048 tokens
+    config = EngineConfig(model=model, dtype=dtype, device="cpu")   # Ferry's defaults: 128 seats, the CPU's budget
     engine = Engine(config)
     run_shape(engine, 4, 64, seed=999)   # warm-up, not fitted
     samples = [s for seed, (n, length) in enumerate(SHAPES) for s in run_shape(engine, n, length, seed)]
     coefficients = fit(samples)
     profile = CostProfile(name, **coefficients, kv_blocks=engine.info.num_blocks, max_num_seqs=config.max_num_seqs,
-                          max_num_batched_tokens=config.max_num_batched_tokens)
+                          max_num_batched_tokens=engine.info.max_num_batched_tokens)
     errors = relative_errors(profile, samples)
     return {"profile": asdict(profile), "threads": threads, "model": engine.info.model_name,
             "num_steps": len(samples), "median_relative_error": round(float(np.median(errors)), 3),

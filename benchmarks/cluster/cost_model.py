@@ -20,7 +20,8 @@ BENCHMARKS.md on that machine:
   - a 2,048-token prefill step takes ~750 ms, ~150 ms of it attention -> prefill_token ~0.28 ms, and
     prefill_context_token 150 ms over its 2.1 M (query, key) pairs ~71 ns;
   - KV pool: the CPU default of 1 GiB at 23,040 bytes a token (30 layers x 3 KV heads x 64 dims x K+V x bf16)
-    -> 46,603 tokens, 2,912 blocks; max_num_seqs 128 and max_num_batched_tokens 2,048 are Ferry's defaults;
+    -> 46,603 tokens, 2,912 blocks; max_num_seqs 128 and max_num_batched_tokens 2,048, Ferry's defaults when
+    fitted (a CPU's auto budget is 1,024 since);
   - a LoRA adapter made resident (`--adapters`): rank 16 on every linear PEFT targets, 30 layers x 16 x (q 576+576,
     k 576+192, v 576+192, o 576+576, gate and up 576+1,536, down 1,536+576) = 4.9 M parameters, 9.8 MB in bf16,
     copied from host memory into its slot at ~5 GB/s -> 2 ms (an estimate, not a measurement; `--lora-load-s`);

@@ -64,6 +64,19 @@ def test_prompts_chunked_by_a_small_token_budget_give_the_same_tokens(tiny_llama
     assert [r.token_ids for r in results] == reference
 
 
+def test_the_step_budget_left_at_auto_is_the_devices_and_one_set_by_hand_is_kept(tiny_llama_dir):
+    """--max-num-batched-tokens 0 (the default): the worker names its device's budget, 1,024 tokens on a CPU, and
+    the scheduler steps by it: of two 600-token prompts the second is chunked; at 2,048 neither is."""
+    prompts = random_prompts(seed=5, count=2, lengths=range(600, 601))
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    chunked = {}
+    for budget in (0, 2048):
+        engine = tiny_engine(tiny_llama_dir, max_model_len=1024, max_num_batched_tokens=budget)
+        engine.generate(prompts, params)
+        chunked[engine.info.max_num_batched_tokens] = engine.scheduler.counters.chunked_prefills
+    assert chunked == {1024: 1, 2048: 0}
+
+
 def test_decodes_keep_running_while_a_long_prompt_is_chunked(tiny_llama_dir):
     engine = tiny_engine(tiny_llama_dir, max_num_batched_tokens=8)
     engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))

@@ -56,6 +56,15 @@ def make_scheduler(num_blocks: int = 64, max_model_len: int = 128, **overrides) 
     return scheduler_for(config, model)
 
 
+def test_the_budget_at_auto_is_the_one_the_worker_names_else_a_gpus():
+    assert make_scheduler().config.max_num_batched_tokens == 2048   # a worker that names none
+    model = worker_pb2.ModelInfo(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=128, eos_token_ids=[EOS],
+                                 model_name="tiny", max_num_batched_tokens=1024)
+    assert scheduler_for(EngineConfig(block_size=BLOCK_SIZE), model).config.max_num_batched_tokens == 1024
+    assert scheduler_for(EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=8),
+                         model).config.max_num_batched_tokens == 8
+
+
 def run_step(scheduler: Scheduler, worker: FakeWorker) -> list[RequestOutput]:
     step = scheduler.schedule()
     return scheduler.update(step, worker.step(step)) if step is not None else []
