@@ -55,9 +55,10 @@ class OfflineResult:
                 "requests_per_s": round(self.num_requests / self.seconds, 3)}
 
 
-def ferry_config(model: str, dtype: str, mode: str, max_num_seqs: int, kv_cache_memory: int) -> EngineConfig:
+def ferry_config(model: str, dtype: str, mode: str, max_num_seqs: int, kv_cache_memory: int,
+                 max_num_batched_tokens: int = 0) -> EngineConfig:
     return EngineConfig(model=model, dtype=dtype, device="auto", max_num_seqs=max_num_seqs,
-                        kv_cache_memory=kv_cache_memory, **MODES[mode])
+                        kv_cache_memory=kv_cache_memory, max_num_batched_tokens=max_num_batched_tokens, **MODES[mode])
 
 
 def run_ferry(config: EngineConfig, mode: str, requests: list[BenchRequest], progress: bool = True) -> OfflineResult:
@@ -139,6 +140,8 @@ def main(argv: list[str]) -> int:
                              "graphs), ngram (prompt-lookup speculation at every batch size), hf")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--kv-cache-memory", type=int, default=0, help="bytes (0: the default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="tokens a step computes at most (0: the device's default)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     args = parser.parse_args(argv)
     directory = model_dir(args)
@@ -150,7 +153,8 @@ def main(argv: list[str]) -> int:
         if mode == "hf":
             results[mode] = run_transformers(directory, dtype, requests, args.hf_batch_size, progress).as_dict()
         else:
-            config = ferry_config(directory, dtype, mode, args.max_num_seqs, args.kv_cache_memory)
+            config = ferry_config(directory, dtype, mode, args.max_num_seqs, args.kv_cache_memory,
+                                  args.max_num_batched_tokens)
             results[mode] = run_ferry(config, mode, requests, progress).as_dict()
         print(f"[bench] {mode}: {results[mode]['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
     ratios = {f"{m}/hf": round(r["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"], 3)
