@@ -56,6 +56,14 @@ def test_offline_bench_compares_modes_and_transformers(tiny_llama_dir, tmp_path)
     assert set(result["ratios"]) == {"continuous/hf", "static/hf", "continuous/static"}
 
 
+def test_offline_bench_steps_by_the_token_budget_it_is_given(tiny_llama_dir, tmp_path):
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 45)), "max_tokens": 2}]))
+    result = run_bench("offline", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
+                       str(workload), "--modes", "continuous", "--max-num-batched-tokens", "8")
+    assert result["results"]["continuous"]["steps"] == 40 // 8 + 1   # five prompt chunks, then one decode
+
+
 def test_roofline_bench_counts_a_decode_steps_arithmetic(tiny_llama_dir):
     result = run_bench("roofline", "--model", str(tiny_llama_dir), "--dtype", "float32", "--batch", "3",
                        "--prompt-len", "8", "--steps", "4", "--matmul-size", "256")
