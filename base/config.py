@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 WORKER_OVERLAP = ("auto", "on", "off")
 # --max-num-batched-tokens 0 (auto) by device: at 32 streams of 512-token prompts on a 2-core CPU, 1024 gave a median
-# time to first token 1.5x shorter than 2048 at the same throughput and ITL median (BENCHMARKS.md)
+# time to first token 1.4x shorter than 2048 at the same throughput and ITL median (BENCHMARKS.md)
 STEP_TOKENS = {"cpu": 1024, "cuda": 2048}
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 
