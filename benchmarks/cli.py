@@ -41,6 +41,8 @@ BENCHMARKS = {
                                             "base model alone (random adapters)"),
     "tp": Bench("benchmarks.engine.tensor_parallel", "tensor parallelism: tok/s at 1 and 2 ranks, each rank's "
                                                      "weights, and the share of a step in collectives"),
+    "vllm-offline": Bench("benchmarks.engine.vllm_offline", "vLLM's offline throughput on the same workloads "
+                                                            "(under a Python with vLLM: scripts/vllm_cpu_venv.sh)"),
     "worker-start": Bench("benchmarks.engine.worker_start", "the time a CPU worker spends loading the default "
                                                             "model's weights"),
     # services: real processes (`ferry up`, a router against a synthetic scheduler), over gRPC and HTTP

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -62,6 +63,15 @@ def test_offline_bench_steps_by_the_token_budget_it_is_given(tiny_llama_dir, tmp
     result = run_bench("offline", "--model", str(tiny_llama_dir), "--dtype", "float32", "--workload-file",
                        str(workload), "--modes", "continuous", "--max-num-batched-tokens", "8")
     assert result["results"]["continuous"]["steps"] == 40 // 8 + 1   # five prompt chunks, then one decode
+
+
+def test_vllm_offline_bench_outside_a_vllm_venv_says_how_to_make_one():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this Python")
+    out = subprocess.run([sys.executable, "-m", "ferry.cli", "bench", "vllm-offline", "--workload", "mixed_small"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "vLLM is not installed in this Python" in out.stderr and "scripts/vllm_cpu_venv.sh" in out.stderr
 
 
 def test_roofline_bench_counts_a_decode_steps_arithmetic(tiny_llama_dir):
