@@ -3,7 +3,8 @@ OpenAI-compatible one (vLLM's, SGLang's): requests sent at Poisson arrivals or a
 --max-concurrency in flight (guidellm's concurrent streams), every chunk streamed back and timed on arrival; reports
 output tok/s (counted by the server's usage where it sends one), requests completed and failed, and TTFT, ITL, TPOT
 and end-to-end latency mean, p50, p90 and p99 per request rate. `--synthetic 128:32` sends guidellm's synthetic shape
-(random prompts of 128 tokens, 32 tokens out), the same token ids to every server."""
+(random prompts of 128 tokens, 32 tokens out), the same token ids to every server; `--num-warmups N` sends N
+requests first, uncounted."""
 from __future__ import annotations
 
 import asyncio
@@ -76,6 +77,12 @@ def synthetic_requests(shape: str, num_prompts: int, vocab: int = 40000, seed: i
     rng = random.Random(seed)
     return [BenchRequest([rng.randrange(vocab // 40, vocab) for _ in range(prompt_tokens)], output_tokens)
             for _ in range(num_prompts)]
+
+
+def warmup_requests(first: BenchRequest, count: int, vocab: int) -> list[BenchRequest]:
+    """count requests of the first timed one's lengths with other ids, so that no timed prompt finds its prefix
+    cached by the warm-up."""
+    return synthetic_requests(f"{len(first.prompt_token_ids)}:{first.max_tokens}", count, vocab, seed=1)
 
 
 async def run_load(requests: list[BenchRequest], target: str, request_rate: float, max_concurrency: int,
@@ -164,6 +171,9 @@ def main(argv: list[str]) -> int:
                         help="random prompts of PROMPT tokens asking OUTPUT tokens each, instead of --workload")
     parser.add_argument("--synthetic-vocab", type=int, default=40000, help="the synthetic prompts' ids lie below")
     parser.add_argument("--served-model", default="", help="the request's `model` (another server's model name)")
+    parser.add_argument("--num-warmups", type=int, default=0,
+                        help="requests of the first one's lengths (other ids) sent and awaited before the timed "
+                             "runs, not counted (vLLM's bench flag)")
     parser.add_argument("--plot-dir", type=Path)
     args = parser.parse_args(argv)
     if args.synthetic:
@@ -171,6 +181,13 @@ def main(argv: list[str]) -> int:
     else:
         requests = load_requests(args, model_dir(args) if args.workload == "chat" else None)
         requests = (requests * (args.num_prompts // len(requests) + 1))[:args.num_prompts]
+    warmup = {}
+    if args.num_warmups > 0:
+        result = asyncio.run(run_load(warmup_requests(requests[0], args.num_warmups, args.synthetic_vocab),
+                                      args.target, float("inf"), args.max_concurrency, args.backend,
+                                      served_model=args.served_model))
+        warmup = {"completed": result["completed"], "failed": result["failed"], "errors": result["errors"]}
+        print(f"[bench] warm-up: {warmup['completed']} of {args.num_warmups} completed", file=sys.stderr)
     rates = [float(r) for r in args.request_rate.split(",")]
     runs = []
     for rate in rates:
@@ -184,5 +201,6 @@ def main(argv: list[str]) -> int:
         throughput_vs_rate(runs, args.plot_dir / "throughput_vs_rate.png")
         for rate, result in runs:
             ttft_distribution(result["ttft_samples_s"], args.plot_dir / f"ttft_rate_{rate:g}.png")
-    report(args, {"backend": args.backend, "runs": [{"request_rate": str(r), **res} for r, res in runs]})
+    report(args, {"backend": args.backend, "warmup": warmup,
+                  "runs": [{"request_rate": str(r), **res} for r, res in runs]})
     return 0

@@ -126,11 +126,21 @@ def test_serve_bench_drives_an_openai_server_with_guidellms_synthetic_shape(tiny
     with ferry_up(["--model", str(tiny_llama_dir), "--dtype", "float32", "--http-port", str(http_port)]):
         result = run_bench("serve", "--backend", "openai", "--target", f"http://127.0.0.1:{http_port}",
                            "--synthetic", "24:5", "--synthetic-vocab", "200", "--num-prompts", "6",
-                           "--max-concurrency", "3", "--served-model", tiny_llama_dir.name)
+                           "--max-concurrency", "3", "--served-model", tiny_llama_dir.name, "--num-warmups", "4")
+    assert result["warmup"] == {"completed": 4, "failed": 0, "errors": []}
     [run] = result["runs"]
     assert run["completed"] == 6 and run["failed"] == 0 and run["peak_concurrency"] == 3
     assert run["output_tokens_per_s"] * run["duration_s"] == pytest.approx(6 * 5)
     assert run["ttft_s"]["p90"] >= run["ttft_s"]["p50"] > 0 and run["itl_s"]["p50"] > 0
+
+
+def test_serve_warm_up_shares_no_prompt_prefix_with_the_timed_requests():
+    from benchmarks.services.serve import synthetic_requests, warmup_requests
+
+    timed = synthetic_requests("24:5", 6, vocab=200)
+    warmup = warmup_requests(timed[0], 4, vocab=200)
+    assert [(len(r.prompt_token_ids), r.max_tokens) for r in warmup] == [(24, 5)] * 4
+    assert not {tuple(r.prompt_token_ids[:16]) for r in warmup} & {tuple(r.prompt_token_ids[:16]) for r in timed}
 
 
 def test_split_bench_measures_served_and_traced_against_offline(tiny_llama_dir, tmp_path):
