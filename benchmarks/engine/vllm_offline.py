@@ -48,8 +48,8 @@ def main(argv: list[str]) -> int:
 
     directory = str(resolve_model_dir(args.model))
     requests = load_requests(args, directory)
-    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-    llm = LLM(model=directory, dtype=dtype, max_model_len=args.max_model_len)
+    llm = LLM(model=directory, dtype=args.dtype, max_model_len=args.max_model_len)
+    dtype = str(llm.model_config.dtype).removeprefix("torch.")   # what vLLM's "auto" picked on this machine
     result = run_vllm(llm, requests)
     print(f"[bench] vllm {__version__}: {result['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
     report(args, {"workload": str(args.workload_file or args.workload), "engine": f"vllm {__version__}",
