@@ -324,12 +324,13 @@ class ModelRunner:
         """A step of decodes only, each sampling, none gathering prompt logprobs, that a captured graph holds."""
         return (self.graphs is not None and all(c.num_tokens == 1 and c.samples and c.seq.prompt_logprobs is None
                                                 and not c.drafts for c in chunks)
-                and self.graphs.fits(len(chunks), chunks[-1].end))
+                and self.graphs.fits(len(chunks), max(c.end for c in chunks)))   # LoRA orders by adapter first
 
     def graph_forward(self, chunks: list[ScheduledChunk]) -> Callable[[], torch.Tensor]:
         """The step's inputs in the graphs' buffers; the returned call replays and gives the logits."""
         rows = DecodeRows([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
-                          [self.slot_of(c.seq, c.start) for c in chunks], [c.seq.block_ids for c in chunks])
+                          [self.slot_of(c.seq, c.start) for c in chunks], [c.seq.block_ids for c in chunks],
+                          [self.lora.slot_of(c.seq.lora_name) for c in chunks] if self.lora is not None else [])
         replay = self.graphs.prepare(rows)
         self.feed(self.graphs.inputs.input_ids, chunks)
         return replay

@@ -170,9 +170,9 @@ class Worker:
         if device.type == "cuda":
             warm_up.compile_kernels(self.runner, step_tokens(req.max_num_batched_tokens, "cuda"), max_model_len)
         if (device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None
-                and not req.enable_lora and self.tp is None):
+                and (lora[0] is None or lora[0].graphable) and self.tp is None):
             self.runner.graphs = DecodeGraphs(model, pool.layers, backend, block_size, req.max_num_seqs or 128,
-                                              max_model_len, device)
+                                              max_model_len, device, lora[0])
             self.runner.graphs.capture_all(cuda_capture(torch.cuda.graph_pool_handle()))
         self.overlaps = overlaps(req.worker_overlap or "auto", device, self.tp, draft)
         info = device_info(device, dtype)

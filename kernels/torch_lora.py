@@ -31,21 +31,27 @@ class LoraRows:
     @classmethod
     def of(cls, row_slots: list[int], device: torch.device) -> LoraRows | None:
         """row_slots: each row's slot, -1 for the base model; None when no row has an adapter."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(row_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(row)
-        if not by_slot:
+        order, starts, lengths, slots = segments_of(row_slots)
+        if not order:
             return None
-        order, starts, lengths, slots = [], [], [], []
-        for slot, rows in sorted(by_slot.items()):
-            starts.append(len(order))
-            lengths.append(len(rows))
-            slots.append(slot)
-            order.extend(rows)
         as_device = lambda xs, dtype: tensor_on(xs, dtype, device)  # noqa: E731
         return cls(as_device(order, torch.long), starts, lengths, slots, as_device(starts, torch.int32),
                    as_device(lengths, torch.int32), as_device(slots, torch.int32), runs_of(row_slots))
+
+
+def segments_of(row_slots: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(order, starts, lengths, slots): the rows with an adapter grouped by slot, in slot order."""
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            by_slot.setdefault(slot, []).append(row)
+    order, starts, lengths, slots = [], [], [], []
+    for slot, rows in sorted(by_slot.items()):
+        starts.append(len(order))
+        lengths.append(len(rows))
+        slots.append(slot)
+        order.extend(rows)
+    return order, starts, lengths, slots
 
 
 def runs_of(row_slots: list[int]) -> list[tuple[int, int, int]]:

@@ -4,7 +4,8 @@ kernels/torch_lora.py's, which this keeps.
 One kernel, launched twice, each over (segment, tile of its rows, tile of the output's columns), rows gathered through
 `rows.order`: shrink writes x A^T of every row with an adapter into an fp32 buffer [rows with an adapter, R], in
 `order`'s order; expand adds that buffer times B^T into the rows of `out`. Rows are distinct, so no atomics. The
-grid is sized by the host's segment lengths: no launch reads the device. Programs past a segment's end return.
+grid is sized by the host's segment lengths (in a CUDA graph, bounds of them: every segment as long as the
+batch): no launch reads the device. Programs past a segment's end return.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ LORA_BLOCK_M = 64   # rows of a segment per program
 LORA_BLOCK_K = 64   # shrink: the reduction over x's columns
 LORA_BLOCK_N = 64   # expand: out's columns per program
 LORA_BLOCK_R = 64   # the rank: shrink's output columns per program, expand's reduction
+DECODE_ROWS = 256   # steps of at most this many rows with an adapter take row tiles of 16
 
 
 @triton.jit
@@ -86,7 +88,8 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
         return
     num_rows, width = rows.order.shape[0], a_stack.shape[1]
     in_features, out_features = x.shape[1], out.shape[1]
-    block_m = min(LORA_BLOCK_M, next_pow2(max(rows.lengths), 16))   # decode's few rows: smaller tiles
+    # a decode step's rows in tiles of 16: one adapter's 64 rows are then 4 programs, not 1 doing all of shrink
+    block_m = 16 if num_rows <= DECODE_ROWS else min(LORA_BLOCK_M, next_pow2(max(rows.lengths), 16))
     block_r = min(LORA_BLOCK_R, next_pow2(width, 16))
     upcast, precision = compute_flags(x.dtype)
     stages = 2 if upcast else 3   # fp32 tiles: keep shared memory low

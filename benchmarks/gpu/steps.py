@@ -277,8 +277,8 @@ def kernel_bench(plan: Plan, work: Path) -> dict:
 
 def lora(plan: Plan, work: Path) -> dict:
     """Multi-LoRA on the device (`ferry bench lora`, one round): output tok/s with 1, 4 and 16 random rank-16
-    adapters in the batch against the base model, the adapters' products in the Triton kernels (no CUDA graphs with
-    LoRA, so the base model's run with LoRA on is the eager baseline)."""
+    adapters in the batch against the base model, the adapters' products in the Triton kernels inside the decode
+    graphs (the base model's run with LoRA on: what launching them for no row costs)."""
     from benchmarks.engine.lora import measure
 
     directory = str(model_dir(plan, work, plan.serve_shape, torch.bfloat16))

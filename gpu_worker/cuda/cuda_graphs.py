@@ -4,17 +4,19 @@ once per bucketed batch size at start, then replayed over persistent input buffe
 A decode step of a small model is ~35 kernel launches a layer; replaying them as one graph takes the launch cost
 off the step. The graphs read every input from static buffers that a step fills (its rows, then padding rows
 that store nothing and attend one slot), so the Triton backend's metadata is built once per batch size over those
-buffers. Capture is the only CUDA call: tests on the CPU pass `capture=eager_capture`, which replays by running
-the forward again, so everything else here runs where no GPU is.
+buffers. With LoRA on, the graphs hold the adapters' products too, over the step's rows by adapter in fixed
+buffers of their own (gpu_worker/lora/lora_slots.py's GraphRows). Capture is the only CUDA call: tests on the CPU
+pass `capture=eager_capture`, which replays by running the forward again, so everything else here runs where no GPU is.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.model import AttentionBatch
 
 log = logging.getLogger(__name__)
@@ -70,18 +72,21 @@ class DecodeRows:
     positions: list[int]
     slots: list[int]
     block_tables: list[list[int]]
+    lora_slots: list[int] = field(default_factory=list)   # with LoRA: each row's adapter slot, -1 the base model
 
 
 class DecodeGraphs:
     """Captured decode forwards, one per batch size; run() takes a step's rows and returns their logits."""
 
     def __init__(self, model: torch.nn.Module, kv_layers: list, backend, block_size: int, max_batch: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, lora: LoraSlots | None = None):
         self.model, self.kv_layers, self.backend = model, kv_layers, backend
         self.block_size, self.device = block_size, device
         self.table_width = -(-max_model_len // block_size)
         self.sizes = batch_sizes(max_batch)
         self.inputs = StaticInputs.allocate(self.sizes[-1], self.table_width, device)
+        self.lora = lora   # the adapters' slots, whose products the graphs hold (graphable ones only)
+        self.lora_rows = lora.graph_rows(self.sizes[-1]) if lora is not None else None
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
 
     @property
@@ -103,7 +108,17 @@ class DecodeGraphs:
         batch = AttentionBatch(self.backend, inputs.slots[:size], [(slice(0, size), self.metadata(size, 0))],
                                {w: [(slice(0, size), self.metadata(size, w))] for w in model.attention_windows})
         ids, positions = inputs.input_ids[:size], inputs.positions[:size]
-        return lambda: model.compute_logits(model(ids, positions, kv_layers, batch))
+        lora, lora_rows = self.lora, self.lora_rows
+
+        def forward() -> torch.Tensor:
+            if lora is None:
+                return model.compute_logits(model(ids, positions, kv_layers, batch))
+            lora.rows = lora_rows.view(size)
+            try:
+                return model.compute_logits(model(ids, positions, kv_layers, batch))
+            finally:
+                lora.rows = None
+        return forward
 
     def metadata(self, size: int, window: int):
         return self.backend.PagedMetadata(self.inputs.block_tables[:size], self.inputs.context_lens[:size],
@@ -140,3 +155,5 @@ class DecodeGraphs:
                                (inputs.slots[:size], longs[2]), (inputs.block_tables[:size], tables),
                                (inputs.context_lens[:size], lens)):
             target.copy_(source, non_blocking=True)
+        if self.lora_rows is not None:
+            self.lora_rows.fill(rows.lora_slots + [-1] * pad)

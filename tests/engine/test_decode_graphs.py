@@ -33,7 +33,7 @@ def graphed(engine, max_batch: int) -> list[int]:
     """Give the engine's runner decode graphs (captured eagerly); returns the list each replay appends to."""
     runner = engine.worker.runner
     runner.graphs = DecodeGraphs(runner.model, runner.pool.layers, runner.backend, BLOCK_SIZE, max_batch,
-                                 engine.info.max_model_len, runner.device)
+                                 engine.info.max_model_len, runner.device, runner.lora)
     runner.graphs.capture_all(eager_capture)
     replays = []
     prepare = runner.graphs.prepare
@@ -81,6 +81,34 @@ def test_graph_decode_steps_launched_before_the_last_ones_tokens_are_back_give_t
             outputs[mode] = run_overlapped(engine.scheduler, engine.worker)[0]
     assert outputs["overlapped graphs"] == outputs["eager"]
     assert replays and 5 in replays
+
+
+def test_graph_decode_steps_with_lora_match_peft_merged_models_with_adapters_and_base_rows_mixed(
+        tiny_llama_dir, tmp_path, monkeypatch) -> None:
+    """The graphs hold the adapters' products (Triton's kernels over fixed row buffers, as on a GPU): base rows and
+    two adapters' rows interleaved in each replayed step, and each request's tokens are those of PEFT's merged model.
+    Slot changes between steps reach the graphs, since they read the slots' weights where they lie."""
+    from gpu_worker.lora import lora_slots
+    from tests.conftest import transformers_greedy
+    from tests.lora_fixtures import build_peft_adapter, merged_model
+
+    triton_lora = import_interpreted_kernels("kernels.triton_lora")
+    monkeypatch.setattr(lora_slots, "lora_kernel", lambda device: triton_lora.add_lora)
+    adapters = {name: str(build_peft_adapter(tiny_llama_dir, tmp_path / name, rank, seed=rank))
+                for name, rank in (("a4", 4), ("a8", 8))}
+    prompts = random_prompts(seed=6, count=6, lengths=range(3, 20))
+    names = ["a8", "", "a4", "a8", "", "a4"]
+    expected = {name: transformers_greedy(merged_model(tiny_llama_dir, adapters.get(name)), prompts, 8)
+                for name in ("", "a4", "a8")}
+    engine = tiny_engine(tiny_llama_dir, attention_backend="triton", max_num_batched_tokens=16, enable_lora=True,
+                         lora_modules=[f"{name}={path}" for name, path in adapters.items()], max_loras=2,
+                         max_lora_rank=8)
+    assert engine.worker.runner.lora.graphable
+    replays = graphed(engine, max_batch=8)
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              lora_names=names)
+    assert [r.token_ids for r in results] == [expected[name][i] for i, name in enumerate(names)]
+    assert replays and 6 in replays
 
 
 def test_a_batch_larger_than_any_graph_runs_eagerly(tiny_llama_dir) -> None:

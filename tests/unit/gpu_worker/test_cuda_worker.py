@@ -60,6 +60,30 @@ def test_steps_launched_before_the_last_ones_tokens_are_back_give_the_tokens_of_
     assert outputs["on"] == outputs["off"]
 
 
+def test_lora_decode_steps_from_cuda_graphs_give_the_tokens_of_eager_steps(tiny_fp32, tmp_path) -> None:
+    """Two adapters and the base model interleaved in each step: the graphs (captured with the adapters' products
+    over fixed row buffers) against every step eager; and the adapters do change the tokens."""
+    from transformers import AutoConfig
+
+    from benchmarks.engine.lora import write_random_adapter
+    from ferry import Engine, EngineConfig
+    config = AutoConfig.from_pretrained(tiny_fp32)
+    modules = [f"a{seed}={write_random_adapter(tmp_path / f'a{seed}', config, 8, seed)}" for seed in (1, 2)]
+    prompts = [[5 + i, 17, 99, 3, 250 - i, 41][: 2 + i % 5] * (1 + i % 3) for i in range(11)]
+    names = [("", "a1", "a2")[i % 3] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_fp32), dtype="float32", device="cuda", kv_cache_memory=GiB // 8,
+                                     max_num_seqs=16, enforce_eager=eager, enable_lora=True, lora_modules=modules,
+                                     max_loras=2, max_lora_rank=8))
+        assert (engine.worker.runner.graphs is None) == eager
+        outputs[eager] = [r.token_ids for r in engine.generate(prompts, params, lora_names=names)]
+        base = [r.token_ids for r in engine.generate(prompts, params)]
+    assert outputs[False] == outputs[True]
+    assert sum(a != b for a, b in zip(outputs[False], base)) >= 4   # the adapted rows' tokens moved
+
+
 def test_overlap_is_the_default_on_a_gpu(tiny_fp32) -> None:
     from ferry import Engine, EngineConfig
     engine = Engine(EngineConfig(model=str(tiny_fp32), dtype="float32", device="cuda", kv_cache_memory=GiB // 8))
