@@ -1,7 +1,7 @@
 """`ferry bench gpu-check` (scripts/gpu_check.sh): Ferry on one NVIDIA GPU, every step a process of its own, one
 JSON summary.
 
-    ferry bench gpu-check OUT_DIR [--budget-s 450] [--work-dir DIR] [--smoke]
+    ferry bench gpu-check OUT_DIR [--budget-s 500] [--work-dir DIR] [--smoke]
 
 First the checks that need no quiet device run side by side (the GPU-only tests, token-exactness against
 transformers, `ferry up` answering a chat request); then the timed steps one at a time (Ferry with CUDA graphs
@@ -101,7 +101,7 @@ def run_one(name: str, work: Path, smoke: bool) -> None:
 def main(argv: list[str]) -> int:
     parser = bench_parser("gpu-check", __doc__)
     parser.add_argument("out", nargs="?", help="folder for summary.json and the steps' logs")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="all steps together end within this")
+    parser.add_argument("--budget-s", type=float, default=500.0, help="all steps together end within this")
     parser.add_argument("--work-dir", help="where the random models are written (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--step", choices=sorted(gpu_steps.STEPS), help=argparse.SUPPRESS)   # a child's own step
