@@ -151,8 +151,6 @@ def check_tensor_parallel_options(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {config.tensor_parallel_size}")
     if config.tensor_parallel_size == 1:
         return
-    if config.enable_lora:
-        raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
     speculative = parse_speculative_config(config.speculative_config)
     if speculative is not None and speculative.method == "draft_model":
         raise ValueError("a draft model (speculative_config) with --tensor-parallel-size > 1 is not supported yet")

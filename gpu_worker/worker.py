@@ -21,7 +21,7 @@ from gpu_worker.lora.attach import attach_lora
 from gpu_worker.model import TorchLayerOps
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
-from gpu_worker.parallel.group import INIT, STEP, Followers, TensorParallel
+from gpu_worker.parallel.group import INIT, LOAD_ADAPTER, STEP, Followers, TensorParallel
 from gpu_worker.parallel.sharding import ShardedCheckpoint, check_shardable, shard_model, shard_shape
 from kernels import cpu_decode, cpu_layers, select_backend
 from protos import worker_pb2
@@ -147,7 +147,8 @@ class Worker:
         model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
         eos = eos_token_ids(model_dir, hf_config)
         # the adapters' device slots are allocated before the KV pool is sized from what memory is left
-        lora = attach_lora(model, shape, req, dtype, device) if req.enable_lora else (None, None)
+        lora = (attach_lora(model, shape, req, dtype, device, self.tp, whole_shape) if req.enable_lora
+                else (None, None))
 
         def make_runner(pool: KVPool) -> ModelRunner:
             return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos), tp=self.tp,
@@ -249,7 +250,9 @@ class Worker:
         """ValueError (gpu_worker.lora.peft_adapter.AdapterRefused) naming what does not fit."""
         if self.runner is None or self.runner.adapters is None:
             raise ValueError("LoRA is off: start with --enable-lora")
-        weights = self.runner.adapters.load(req.name, req.path)
+        weights = self.runner.adapters.load(req.name, req.path)   # refused here first: the ranks read it too
+        if self.followers is not None:
+            self.followers.send(LOAD_ADAPTER, req)
         return worker_pb2.LoadAdapterResponse(rank=weights.rank, target_modules=weights.target_modules)
 
     def read_blocks(self, req: worker_pb2.ReadBlocksRequest) -> worker_pb2.BlocksData:

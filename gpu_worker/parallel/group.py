@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
-INIT, STEP = b"I", b"S"
+INIT, STEP, LOAD_ADAPTER = b"I", b"S", b"L"
 HEADER = struct.Struct("<cI")   # message kind, payload length
 
 

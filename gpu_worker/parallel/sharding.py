@@ -128,15 +128,46 @@ class ShardedCheckpoint(Mapping):
         return None
 
     def query_range(self) -> tuple[int, int]:
-        heads = self.shape.num_heads // self.tp.size
-        return head_rows(self.tp.rank * heads, heads, self.shape.head_dim)
+        return query_range(self.shape, self.tp)
 
     def kv_range(self) -> tuple[int, int]:
-        """This rank's KV heads; with fewer KV heads than ranks, the one its query heads read."""
-        kv_heads, size = self.shape.num_kv_heads, self.tp.size
-        if kv_heads >= size:
-            return head_rows(self.tp.rank * (kv_heads // size), kv_heads // size, self.shape.head_dim)
-        return head_rows(self.tp.rank * kv_heads // size, 1, self.shape.head_dim)
+        return kv_range(self.shape, self.tp)
+
+
+def query_range(shape: ModelShape, tp: TensorParallel) -> tuple[int, int]:
+    """This rank's rows of q (the whole model's shape)."""
+    heads = shape.num_heads // tp.size
+    return head_rows(tp.rank * heads, heads, shape.head_dim)
+
+
+def kv_range(shape: ModelShape, tp: TensorParallel) -> tuple[int, int]:
+    """This rank's KV heads' rows; with fewer KV heads than ranks, the one its query heads read."""
+    kv_heads, size = shape.num_kv_heads, tp.size
+    if kv_heads >= size:
+        return head_rows(tp.rank * (kv_heads // size), kv_heads // size, shape.head_dim)
+    return head_rows(tp.rank * kv_heads // size, 1, shape.head_dim)
+
+
+def shard_adapter_linears(linears: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], shape: ModelShape,
+                          tp: TensorParallel) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA adapter's fused (A, B) pairs (gpu_worker/lora/peft_adapter.py) cut as their linears are: a
+    column-parallel linear's B keeps the rank's output rows of each slice (A whole); a row-parallel linear's A keeps
+    the rank's input columns (B whole), so that its partial product joins the linear's partial sums before their
+    all-reduce. `shape` is the whole model's."""
+    q, kv, mlp = query_range(shape, tp), kv_range(shape, tp), tp.shard(shape.intermediate_size)
+    q_rows, kv_rows = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    output_rows = {"qkv_proj": [q, offset(kv, q_rows), offset(kv, q_rows + kv_rows)],
+                   "gate_up_proj": [mlp, offset(mlp, shape.intermediate_size)]}
+    input_columns = {"o_proj": q, "down_proj": mlp}
+    sharded = {}
+    for (layer, linear), (a, b) in linears.items():
+        if linear in output_rows:
+            b = torch.cat([b[start:stop] for start, stop in output_rows[linear]])
+        else:
+            start, stop = input_columns[linear]
+            a = a[:, start:stop]
+        sharded[layer, linear] = (a.contiguous(), b.contiguous())
+    return sharded
 
 
 def head_rows(first_head: int, num_heads: int, head_dim: int) -> tuple[int, int]:

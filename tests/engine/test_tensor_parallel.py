@@ -60,6 +60,25 @@ def test_one_kv_head_is_replicated_and_an_odd_vocabulary_padded(tmp_path, prompt
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
 
 
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+def test_two_ranks_with_lora_adapters_and_base_rows_mixed_match_peft_merged_models(tmp_path, prompts, num_kv_heads):
+    """Each rank runs its cut of every adapter: q|k|v's and gate|up's B by output rows, o's and down's A by input
+    columns (their partial products go into the all-reduce); with one KV head, both ranks keep k's and v's whole."""
+    from tests.conftest import build_tiny_llama
+    from tests.lora_fixtures import build_peft_adapter, merged_model
+
+    model_dir = build_tiny_llama(tmp_path / "model", num_key_value_heads=num_kv_heads)
+    adapters = {name: str(build_peft_adapter(model_dir, tmp_path / name, rank, seed=rank))
+                for name, rank in (("a4", 4), ("a8", 8))}
+    names = [("a8", "", "a4")[i % 3] for i in range(len(prompts))]
+    expected = {name: transformers_greedy(merged_model(model_dir, adapters.get(name)), prompts, MAX_TOKENS)
+                for name in ("", "a4", "a8")}
+    engine = tiny_engine(model_dir, tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+                         lora_modules=[f"{name}={path}" for name, path in adapters.items()])
+    results = engine.generate(prompts, GREEDY, lora_names=names)
+    assert [r.token_ids for r in results] == [expected[name][i] for i, name in enumerate(names)]
+
+
 def test_each_rank_holds_about_half_of_the_weights(tmp_path):
     model_dir, model = build_tiny_model(tmp_path, "qwen3")
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -76,7 +95,6 @@ def test_a_model_that_does_not_split_evenly_is_refused_before_any_rank_starts(tm
 
 
 @pytest.mark.parametrize("options, refused", [
-    (dict(enable_lora=True), "--enable-lora"),
     (dict(speculative_config='{"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}'), "draft"),
     (dict(tensor_parallel_size=0), "at least 1"),
 ])
