@@ -146,14 +146,8 @@ class EngineConfig:
 
 
 def check_tensor_parallel_options(config: EngineConfig) -> None:
-    """What tensor parallelism does not combine with yet: each would need its own sharding."""
     if config.tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {config.tensor_parallel_size}")
-    if config.tensor_parallel_size == 1:
-        return
-    speculative = parse_speculative_config(config.speculative_config)
-    if speculative is not None and speculative.method == "draft_model":
-        raise ValueError("a draft model (speculative_config) with --tensor-parallel-size > 1 is not supported yet")
 
 
 def check_lora_options(config: EngineConfig) -> None:

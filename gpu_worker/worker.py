@@ -153,15 +153,19 @@ class Worker:
         def make_runner(pool: KVPool) -> ModelRunner:
             return ModelRunner(model, pool, backend, device, seed=req.seed, eos_token_ids=tuple(eos), tp=self.tp,
                                vocab_size=whole_shape.vocab_size)
-        draft = self.load_draft(req, shape, max_model_len, dtype, device, model.layer_ops)
+        # under tensor parallelism the draft model runs whole on rank 0 alone: the others never propose
+        draft = (self.load_draft(req, whole_shape, max_model_len, dtype, device, model.layer_ops)
+                 if self.tp is None or self.tp.rank == 0 else None)
         kv_bytes = kv_cache_bytes(req, make_runner, shape, dtype, device, block_size, max_model_len)
-        if self.tp is not None:   # one block table for the group: every rank's pool has as many blocks
-            num_blocks = self.tp.minimum(kv_bytes // block_bytes(shape, block_size, dtype))
-            pool = KVPool.of_blocks(shape, block_size, num_blocks, dtype, device)
-        elif draft is None:
+        if self.tp is None and draft is None:
             pool = KVPool(shape, block_size, kv_bytes, dtype, device)
-        else:   # both pools hold the same blocks: the bytes are shared in that proportion
-            num_blocks = kv_bytes // (block_bytes(shape, block_size, dtype) + block_bytes(draft[1], block_size, dtype))
+        else:   # a draft's pool holds the same blocks (the bytes shared in that proportion); under TP every rank's
+            # pool has as many blocks, the group's one block table
+            per_block = block_bytes(shape, block_size, dtype) + (block_bytes(draft[1], block_size, dtype) if draft
+                                                                 else 0)
+            num_blocks = kv_bytes // per_block
+            if self.tp is not None:
+                num_blocks = self.tp.minimum(num_blocks)
             pool = KVPool.of_blocks(shape, block_size, num_blocks, dtype, device)
         self.runner = make_runner(pool)
         self.runner.lora, self.runner.adapters = lora

@@ -4,6 +4,7 @@ weights; models that do not split refused before any rank starts."""
 from __future__ import annotations
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from ferry import EngineConfig, SamplingParams
 from tests.conftest import transformers_greedy
@@ -94,10 +95,22 @@ def test_a_model_that_does_not_split_evenly_is_refused_before_any_rank_starts(tm
         tiny_engine(model_dir, tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("options, refused", [
-    (dict(speculative_config='{"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}'), "draft"),
-    (dict(tensor_parallel_size=0), "at least 1"),
-])
-def test_options_tensor_parallelism_does_not_combine_with_are_refused(options, refused):
-    with pytest.raises(ValueError, match=refused):
-        EngineConfig(**{"tensor_parallel_size": 2} | options).validate()
+def test_a_tensor_parallel_size_below_one_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        EngineConfig(tensor_parallel_size=0).validate()
+
+
+def test_a_draft_model_on_rank_0_alone_keeps_two_ranks_greedy_output_and_is_accepted(tmp_path, prompts):
+    """The draft runs whole on rank 0 (its pool beside rank 0's shard of the target's), proposes for the group,
+    and the ranks verify together: transformers' tokens, nearly every proposal of the model itself kept."""
+    import json
+
+    from tests.conftest import build_tiny_llama
+    model_dir = build_tiny_llama(tmp_path / "model")
+    expected = transformers_greedy(AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts, MAX_TOKENS)
+    draft = json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
+                        "disable_by_batch_size": 1024})
+    engine = tiny_engine(model_dir, tensor_parallel_size=2, speculative_config=draft)
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
+    counters = engine.scheduler.counters
+    assert counters.spec_accepted_tokens > 0.95 * counters.spec_proposed_tokens > 0, counters
