@@ -16,17 +16,18 @@ from protos import worker_pb2
 def attach_lora(model: torch.nn.Module, shape, req: worker_pb2.InitRequest, dtype: torch.dtype,
                 device: torch.device, tp: TensorParallel | None = None, whole_shape=None
                 ) -> tuple[LoraSlots, AdapterStore]:
-    """ValueError for a family whose layers are not Ferry's planned decoder layers (Gemma's own). Under tensor
-    parallelism (shape: the rank's, whole_shape: the model's) adapters are checked against the whole model and each
-    rank keeps its cut of them."""
-    if not hasattr(model, "plan_layers"):
-        raise ValueError(f"LoRA is not supported for {type(model).__name__} yet")
+    """The model's layer plans (or, for a family whose layers call their own linears, its adapter_linears) wrapped.
+    Under tensor parallelism (shape: the rank's, whole_shape: the model's) adapters are checked against the whole
+    model and each rank keeps its cut of them."""
     max_loras, max_rank = max(1, req.max_loras), max(1, req.max_lora_rank)
-    plans = model.plan_layers()
-    dense = plans[0].gate_up_proj is not None
+    plans = model.plan_layers() if hasattr(model, "plan_layers") else None
+    dense = plans is None or plans[0].gate_up_proj is not None
     linears = model_linears(shape, has_dense_mlp=dense)
     slots = LoraSlots(linears, shape.num_layers, max_loras, max_rank, dtype, device)
-    model.layer_plans = slots.wrap(plans)
+    if plans is not None:
+        model.layer_plans = slots.wrap(plans)
+    else:
+        slots.wrap_modules(model.adapter_linears())
     whole_linears = model_linears(whole_shape, has_dense_mlp=dense) if tp is not None else linears
 
     def read(name: str, path: str) -> LoraWeights:

@@ -88,6 +88,14 @@ class LoraSlots:
             wrapped.append(replace(plan, **linears))
         return wrapped
 
+    def wrap_modules(self, layers: list[dict[str, torch.nn.Module]]) -> None:
+        """The same for a family whose layers call their linear modules themselves (Gemma's): each module's
+        forward, in place."""
+        for layer, linears in enumerate(layers):
+            for name, module in linears.items():
+                if (layer, name) in self.stacks:
+                    module.forward = LoraLinear(module.forward, *self.stacks[layer, name], self)
+
 
 class GraphRows:
     """The LoRA rows a captured decode graph reads: fixed device buffers each step refills, every slot a segment

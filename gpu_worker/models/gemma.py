@@ -111,6 +111,11 @@ class GemmaForCausalLM(nn.Module):
     def checkpoint_tensor(self, checkpoint: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
         return fused_checkpoint_tensor(checkpoint, name, LLAMA_FUSED)
 
+    def adapter_linears(self) -> list[dict[str, nn.Module]]:
+        """Each layer's linears a LoRA adapter may target, by the names gpu_worker/lora/ gives them."""
+        return [{"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
+                 "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj} for layer in self.layers]
+
     def load_rope(self, config, max_positions: int, device: torch.device) -> None:
         per_kind = GLOBAL in rope_parameters(config)   # Gemma 3: a rotary base (and scaling) per kind of layer
         for kind in (GLOBAL, LOCAL):

@@ -77,6 +77,22 @@ def test_an_adapter_on_some_modules_with_rslora_matches_peft(tiny_llama_dir, ada
     assert [r.token_ids for r in results] == references["qv_only"]
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_layers_run_adapters_too_and_match_peft(tmp_path, prompts, family):
+    """Gemma's layers call their linear modules themselves: the modules' forwards carry the adapters. Base rows
+    and an adapter's in one batch."""
+    from tests.model_families_fixtures import build_tiny_model
+    model_dir, _ = build_tiny_model(tmp_path / family, family)
+    adapter = str(build_peft_adapter(model_dir, tmp_path / "adapter", 8, seed=2))
+    expected = {name: transformers_greedy(merged_model(model_dir, path), prompts, MAX_TOKENS)
+                for name, path in (("", None), ("a", adapter))}
+    assert expected["a"] != expected[""]
+    names = [("a", "")[i % 2] for i in range(len(prompts))]
+    engine = lora_engine(model_dir, {"a": adapter})
+    results = engine.generate(prompts, GREEDY, lora_names=names)
+    assert [r.token_ids for r in results] == [expected[name][i] for i, name in enumerate(names)]
+
+
 def test_more_adapters_than_slots_take_turns_and_stay_exact(tiny_llama_dir, adapters, prompts, references):
     """One device slot, four adapters: a request waits for its adapter's turn, none is lost or mixed up."""
     engine = lora_engine(tiny_llama_dir, adapters, max_loras=1, max_cpu_loras=2)
