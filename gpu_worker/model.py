@@ -32,9 +32,6 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config, **extra) -> ModelShape:
         """The fields every decoder-only config spells the same way; a family adds its own as keyword arguments."""
-        params = rope_parameters(config)
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"partial rotary embeddings are not supported ({config.model_type})")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         fields = dict(
             vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -65,7 +62,8 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
 
 def rope_cos_sin(config, head_dim: int, max_positions: int,
                  layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] for every rope type transformers knows; layer_type picks the
+    """cos/sin tables [max_positions, rotary dims] for every rope type transformers knows: the rotary dims are the
+    head's first head_dim * partial_rotary_factor (all of it, but for Phi-4-mini's kind). layer_type picks the
     parameters of configs that have one set per kind of layer (Gemma 3)."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", "default")
@@ -73,7 +71,8 @@ def rope_cos_sin(config, head_dim: int, max_positions: int,
         return longrope_cos_sin(config, max_positions)
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     elif layer_type:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", layer_type=layer_type)
@@ -107,6 +106,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary on the first cos.shape[-1] dims of x's last one, the others kept (transformers' partial rotary)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
 class TorchLayerOps:
     """A layer's elementwise work in torch ops, as transformers computes it: the reference, and the path on
     CUDA. kernels.cpu_layers.CpuLayerOps fuses the same work on the CPU."""
@@ -128,11 +135,12 @@ class TorchLayerOps:
 
     def rotary_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-        """qkv [T, (H + 2 KV) * D] → rotated q [T, H, D]; rotated k and v stored at slots (-1: skipped)."""
-        head_dim = cos.shape[-1]
+        """qkv [T, (H + 2 KV) * D] → rotated q [T, H, D]; rotated k and v stored at slots (-1: skipped). Only
+        each head's first cos.shape[-1] dims rotate (partial rotary embeddings); the rest pass as they are."""
+        head_dim = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-        q = apply_rotary(q.view(-1, num_heads, head_dim), cos.unsqueeze(1), sin.unsqueeze(1))
-        k = apply_rotary(k.view(-1, num_kv_heads, head_dim), cos.unsqueeze(1), sin.unsqueeze(1))
+        q = rotate_part(q.view(-1, num_heads, head_dim), cos.unsqueeze(1), sin.unsqueeze(1))
+        k = rotate_part(k.view(-1, num_kv_heads, head_dim), cos.unsqueeze(1), sin.unsqueeze(1))
         self.store_kv(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slots)
         return q
 

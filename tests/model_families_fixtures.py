@@ -25,6 +25,11 @@ FAMILIES = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)],
         "long_factor": [1.0 + 0.7 * i for i in range(HEAD_DIM // 2)]}),
+    # Phi-4-mini's kind: only the first 3/4 of each head rotates (partial_rotary_factor), LongRoPE over those dims
+    "phi3_partial_rotary": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.75, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.1 * i for i in range(HEAD_DIM * 3 // 8)],
+        "long_factor": [1.0 + 0.7 * i for i in range(HEAD_DIM * 3 // 8)]}, original_max_position_embeddings=64),
     "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": lambda: Qwen3MoeConfig(head_dim=HEAD_DIM, **COMMON | dict(num_hidden_layers=3), num_experts=4,
                                         num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),

@@ -43,6 +43,7 @@ def complete_config(config, gguf_file: GgufFile) -> None:
         set_gemma3_global_rope(config, gguf_file)
     if gguf_file.arch == "phi3":   # Phi-3 mini 4k's window (2047) applies on every layer, in llama.cpp too
         config.sliding_window = gguf_file.value("attention.sliding_window", config.sliding_window)
+    set_partial_rotary(config, gguf_file)
     if gguf_file.arch == "phi3" and gguf_file.tensor("rope_factors_long.weight") is not None:
         set_phi3_longrope(config, gguf_file)
     if (frequency_factors := gguf_file.tensor("rope_freqs.weight")) is not None:
@@ -64,6 +65,17 @@ def set_gemma3_global_rope(config, gguf_file: GgufFile) -> None:
     if gguf_file.value("rope.scaling.type") == "linear":
         full |= {"rope_type": "linear", "factor": float(gguf_file.value("rope.scaling.factor"))}
     config.rope_parameters = dict(config.rope_parameters) | {"full_attention": full}
+
+
+def set_partial_rotary(config, gguf_file: GgufFile) -> None:
+    """Phi-4-mini's kind: llama.cpp's rope.dimension_count, fewer dims than the head's, is transformers'
+    partial_rotary_factor."""
+    rotary_dims = gguf_file.value("rope.dimension_count")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rotary_dims is None or int(rotary_dims) >= head_dim:
+        return
+    config.partial_rotary_factor = int(rotary_dims) / head_dim
+    config.rope_parameters = dict(config.rope_parameters) | {"partial_rotary_factor": config.partial_rotary_factor}
 
 
 def set_phi3_longrope(config, gguf_file: GgufFile) -> None:

@@ -268,11 +268,19 @@ void rotate_head(const Storage<T>* x, const Storage<T>* cos, const Storage<T>* s
   }
 }
 
+// A head whose first rotary_dim dims rotate (partial rotary embeddings: Phi-4-mini) and whose others pass as they are.
+template <typename T>
+void rotate_head_part(const Storage<T>* x, const Storage<T>* cos, const Storage<T>* sin, Storage<T>* out,
+                      int64_t rotary_dim, int64_t head_dim) {
+  rotate_head<T>(x, cos, sin, out, rotary_dim);
+  if (rotary_dim < head_dim) std::memcpy(out + rotary_dim, x + rotary_dim, (head_dim - rotary_dim) * sizeof(Storage<T>));
+}
+
 template <typename T>
 void rotary_store_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                        torch::Tensor v_cache, torch::Tensor slots, torch::Tensor q_out, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim) {
-  const int64_t rows = qkv.size(0);
+  const int64_t rows = qkv.size(0), rotary_dim = cos.size(1);
   const int64_t k_offset = num_heads * head_dim, v_offset = k_offset + num_kv_heads * head_dim;
   // the pools are [N, B, KV, D] views, any strides with a contiguous head_dim (Ferry's pool is head-major)
   const int64_t block_size = k_cache.size(1);
@@ -284,11 +292,13 @@ void rotary_store_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
       const Storage<T>* c = data<T>(cos) + r * cos.stride(0);
       const Storage<T>* s = data<T>(sin) + r * sin.stride(0);
       Storage<T>* q = data<T>(q_out) + r * k_offset;
-      for (int64_t h = 0; h < num_heads; ++h) rotate_head<T>(row + h * head_dim, c, s, q + h * head_dim, head_dim);
+      for (int64_t h = 0; h < num_heads; ++h)
+        rotate_head_part<T>(row + h * head_dim, c, s, q + h * head_dim, rotary_dim, head_dim);
       if (slot[r] < 0) continue;   // already in a shared block
       const int64_t dst = slot[r] / block_size * block_stride + slot[r] % block_size * token_stride;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        rotate_head<T>(row + k_offset + h * head_dim, c, s, data<T>(k_cache) + dst + h * head_stride, head_dim);
+        rotate_head_part<T>(row + k_offset + h * head_dim, c, s, data<T>(k_cache) + dst + h * head_stride,
+                            rotary_dim, head_dim);
         std::memcpy(data<T>(v_cache) + dst + h * head_stride, row + v_offset + h * head_dim,
                     head_dim * sizeof(Storage<T>));
       }
@@ -429,9 +439,11 @@ torch::Tensor rotary_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tenso
   check_rows(qkv, "rotary_store_kv");
   check_rows(cos, "rotary_store_kv cos");
   check_rows(sin, "rotary_store_kv sin");
-  const int64_t head_dim = cos.size(1);
-  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+  const int64_t head_dim = qkv.size(1) / (num_heads + 2 * num_kv_heads), rotary_dim = cos.size(1);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "rotary_store_kv: qkv width does not match the heads");
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+              "rotary_store_kv: cos/sin must be an even width up to the head's (the dims that rotate)");
   TORCH_CHECK(cos.size(0) == qkv.size(0) && sin.sizes() == cos.sizes(), "rotary_store_kv: one cos/sin row a token");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
                   k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),

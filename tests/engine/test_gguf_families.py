@@ -43,6 +43,7 @@ SOURCES = {  # what llama.cpp can express: every Qwen3-MoE layer sparse, Gemma 3
     "qwen3": FAMILIES["qwen3"],
     "phi3": FAMILIES["phi3"],
     "phi3_windowed": lambda: with_sliding_window(FAMILIES["phi3"]()),   # Phi-3 mini 4k's window is 2047
+    "phi3_partial_rotary": FAMILIES["phi3_partial_rotary"],
     "gemma2": FAMILIES["gemma2"],
     "gemma3_text": lambda: Gemma3TextConfig(
         head_dim=HEAD_DIM, **COMMON | dict(num_hidden_layers=6, tie_word_embeddings=True), sliding_window=WINDOW,
@@ -87,7 +88,7 @@ def phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
     rope = config.rope_parameters
     if config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
-    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_rope_dimension_count(int(head_dim(config) * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
@@ -143,6 +144,7 @@ LAYOUTS = {
     "qwen3_moe": Layout(gguf.MODEL_ARCH.QWEN3MOE, qwen3moe_metadata),
     "phi3": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
     "phi3_windowed": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
+    "phi3_partial_rotary": Layout(gguf.MODEL_ARCH.PHI3, phi3_metadata, extra_tensors=phi3_rope_factors),
     "gemma2": Layout(gguf.MODEL_ARCH.GEMMA2, gemma2_metadata, norms_plus_one=True),
     "gemma3_text": Layout(gguf.MODEL_ARCH.GEMMA3, gemma3_metadata, norms_plus_one=True),
 }
@@ -254,8 +256,8 @@ def served_from_gguf(tmp_path, monkeypatch, family: str, quantize: bool = False)
     return engine, model
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "phi3_windowed", "gemma2",
-                                    "gemma3_text", "mixtral", "mixtral_per_expert"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen3_moe", "phi3", "phi3_windowed",
+                                    "phi3_partial_rotary", "gemma2", "gemma3_text", "mixtral", "mixtral_per_expert"])
 def test_a_gguf_file_of_each_family_is_served_token_exact_against_transformers(tmp_path, monkeypatch, prompts,
                                                                                family):
     engine, model = served_from_gguf(tmp_path, monkeypatch, family)

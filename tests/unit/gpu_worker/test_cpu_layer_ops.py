@@ -64,14 +64,15 @@ def empty_pool(layout: str, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(12, 4, KV_HEADS, HEAD_DIM, dtype=dtype)
 
 
+@pytest.mark.parametrize("rotary_dim", [HEAD_DIM, 48], ids=["whole", "partial"])   # 48: Phi-4-mini's 3/4
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_kv_store_are_bit_identical_and_skip_shared_slots(ops, dtype, layout):
+def test_rotary_and_kv_store_are_bit_identical_and_skip_shared_slots(ops, dtype, layout, rotary_dim):
     fused, reference = ops
     torch.manual_seed(1)
     rows = 29
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=dtype)
-    cos, sin = torch.randn(rows, HEAD_DIM).to(dtype), torch.randn(rows, HEAD_DIM).to(dtype)
+    cos, sin = torch.randn(rows, rotary_dim).to(dtype), torch.randn(rows, rotary_dim).to(dtype)
     pools = [empty_pool(layout, dtype) for _ in range(4)]
     slots = torch.randperm(48)[:rows]
     slots[[0, 5]] = -1                 # tokens already in a shared block: not stored
@@ -79,6 +80,7 @@ def test_rotary_and_kv_store_are_bit_identical_and_skip_shared_slots(ops, dtype,
     q_ref = reference.rotary_store_kv(qkv, cos, sin, pools[2], pools[3], slots, HEADS, KV_HEADS)
     assert torch.equal(q, q_ref)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    assert torch.equal(q[..., rotary_dim:], qkv[:, :HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)[..., rotary_dim:])
     written = pools[0].abs().sum((2, 3)).flatten() != 0
     assert written.nonzero().flatten().tolist() == sorted(slots[slots >= 0].tolist())
 
