@@ -6,7 +6,6 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from base.config import step_tokens
 from base.speculative import parse_speculative_config
@@ -15,7 +14,7 @@ from gpu_worker.cuda import device_memory, warm_up
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
-from gpu_worker.loading.model_files import gguf_source, resolve_model_dir
+from gpu_worker.loading.model_files import gguf_source, language_model_config, resolve_model_dir
 from gpu_worker.loading.weights import Checkpoint, load_weights
 from gpu_worker.lora.attach import attach_lora
 from gpu_worker.model import TorchLayerOps
@@ -128,7 +127,7 @@ class Worker:
         if device.type == "cpu":
             cpu_heap.keep_freed_memory()
         model_dir = resolve_model_dir(req.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = language_model_config(model_dir)
         family = model_class(hf_config.model_type)
         whole_shape = family.shape_from_config(hf_config)
         self.start_group(req, whole_shape, device)
@@ -216,7 +215,7 @@ class Worker:
         if config is None or config.method != "draft_model":
             return None
         model_dir = resolve_model_dir(config.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = language_model_config(model_dir)
         family = model_class(hf_config.model_type)
         shape = family.shape_from_config(hf_config)
         if shape.vocab_size != target.vocab_size:

@@ -19,6 +19,13 @@ def cache_dir() -> Path:
     return environment.FERRY_CACHE_DIR
 
 
+def language_model_config(model_dir: Path):
+    """The model's transformers config; of a checkpoint that wraps a language model among others (Gemma 3's
+    image-text models: `gemma3`), the language model's, the part Ferry serves (text in, text out)."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_dir).get_text_config()
+
+
 def resolve_model_dir(model: str) -> Path:
     """A local HF directory as given, a .gguf file or "" for the default model (converted on first use)."""
     if not model:

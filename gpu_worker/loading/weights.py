@@ -26,15 +26,25 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def language_model_name(stored: str) -> str:
+    """A checkpoint tensor's name as Ferry's model names it: "model." dropped, and the language model's prefix of
+    an image-text checkpoint ("language_model.model." as Gemma 3 was published, "model.language_model." as
+    transformers 5 saves it); the other parts' tensors keep theirs and are never read."""
+    name = stored.removeprefix("model.")
+    if name.startswith("language_model."):
+        name = name.removeprefix("language_model.").removeprefix("model.")
+    return name
+
+
 class Checkpoint(Mapping):
-    """The checkpoint's tensors by name ("model." dropped), each read from its file when asked for. The file is
+    """The checkpoint's tensors by name (language_model_name), each read from its file when asked for. The file is
     opened for that one read: a handle kept open would keep every page it had read mapped, in the process's RSS."""
 
     def __init__(self, model_dir: Path):
         self.files: dict[str, tuple[Path, str]] = {}
         for path in checkpoint_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
-                self.files.update((name.removeprefix("model."), (path, name)) for name in f.keys())
+                self.files.update((language_model_name(name), (path, name)) for name in f.keys())
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path, stored_name = self.files[name]

@@ -83,6 +83,45 @@ def test_a_windowed_request_longer_than_the_pool_is_taken_and_served_exactly(tmp
 
 
 
+def build_gemma3_image_text_model(path):
+    """A tiny Gemma 3 image-text checkpoint (`gemma3`: a SigLIP vision tower, a projector and the language model),
+    saved by transformers."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from tests.conftest import build_tiny_tokenizer
+    from tests.model_families_fixtures import COMMON
+    tokenizer = build_tiny_tokenizer(path)
+    text = Gemma3TextConfig(head_dim=HEAD_DIM, **COMMON | dict(num_hidden_layers=3, tie_word_embeddings=True),
+                            sliding_window=WINDOW, query_pre_attn_scalar=16, vocab_size=len(tokenizer),
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=len(tokenizer) - 1, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():   # weights larger than the default init, so that greedy outputs vary with the prompt
+        for name, param in model.named_parameters():
+            if "language_model" in name and param.dim() >= 2:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("names", ["language_model.model.", "model.language_model."])
+def test_the_language_model_of_a_gemma3_image_text_checkpoint_is_served_as_transformers(tmp_path, prompts, names):
+    """Text in, text out: the checkpoint's language model, its tensors under either prefix (as Gemma 3 was
+    published, as transformers 5 names them in memory), the vision tower's left unread."""
+    from safetensors.torch import load_file, save_file
+    model = build_gemma3_image_text_model(tmp_path)
+    if names == "model.language_model.":
+        weights = load_file(tmp_path / "model.safetensors")
+        save_file({name.replace("language_model.model.", names): t for name, t in weights.items()},
+                  tmp_path / "model.safetensors", metadata={"format": "pt"})
+    expected = transformers_greedy(model, prompts, MAX_TOKENS)
+    assert [r.token_ids for r in tiny_engine(tmp_path).generate(prompts, GREEDY)] == expected
+
+
 def test_longrope_tables_are_transformers_short_and_long_rotations():
     """Phi-3's LongRoPE: below original_max_position_embeddings the short factors, from there on the long ones, each
     with the attention factor, as transformers rotates a forward whose positions all lie on one side."""
