@@ -25,6 +25,7 @@ from router.http.schema import (
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.sse import sse_events
 from router.http.streams import collect, started
+from router.http.tokenization import DetokenizeRequest, TokenizeRequest
 from router.http.tool_calls import add_grammar, detect_parser, tool_plan
 from router.lora_admin import LoraAdmin
 from router.prompt_length import check_prompt_chars, off_the_loop_if_long
@@ -86,6 +87,30 @@ class OpenAIServer:
             raise api_error(e) from e
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's: the prompt's ids as the model runs them, their count and the model's context length."""
+        body = await parse_body(request, TokenizeRequest, self.max_request_bytes, self.body_timeout)
+        reject_unsupported(body.unsupported())
+        model = self.model(body.model)
+        if body.messages is not None:
+            ids = await chat_prompt_ids(model, body)
+        else:
+            check_length("prompt", len(body.prompt), model.max_model_len)
+            encode = (model.tokenizer.encode if not body.add_special_tokens   # as /v1/completions encodes it
+                      else lambda text: model.tokenizer.tokenizer.encode(text).ids)
+            ids = await asyncio.to_thread(encode, body.prompt)
+        strs = [model.tokenizer.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict[str, str]:
+        """vLLM's: the text of the ids, special tokens included."""
+        body = await parse_body(request, DetokenizeRequest, self.max_request_bytes, self.body_timeout)
+        model = self.model(body.model)
+        vocab_size = model.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        if any(token >= vocab_size for token in body.tokens):
+            raise APIError(400, f"tokens: ids must be below the vocabulary's {vocab_size}", param="tokens")
+        return {"prompt": model.tokenizer.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     def admin(self) -> LoraAdmin:
         if self.lora_admin is None:
             raise APIError(404, "run-time LoRA loading is not available here")
@@ -131,7 +156,7 @@ class OpenAIServer:
         return JSONResponse(fmt.body(collected))
 
 
-async def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
     """The chat's prompt, rendered and tokenized (once: the router takes these ids rather than the messages)."""
     chat = body.chat()
     check_length("messages", chat_chars(chat), model.max_model_len)
@@ -179,4 +204,6 @@ def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | 
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app

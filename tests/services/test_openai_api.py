@@ -137,6 +137,45 @@ def test_chat_without_max_tokens_is_rendered_and_tokenized_once(tokenizer_dir, m
     assert sent[0].sampling.max_tokens == 64 - len(prompt_ids)
 
 
+def post_root(stack, path: str, body: dict) -> httpx.Response:
+    """vLLM's routes outside /v1 (/tokenize, /detokenize)."""
+    return httpx.post(stack.base_url.removesuffix("/v1") + path, json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def test_tokenize_gives_the_ids_a_completion_and_a_chat_run_and_detokenize_gives_the_text_back(stack, reference):
+    prompt = "Paris is the capital of France."
+    tokenized = post_root(stack, "/tokenize", {"model": stack.model, "prompt": prompt, "return_token_strs": True})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert body["tokens"] == reference.encode(prompt) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
+    usage = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=1).usage
+    assert usage.prompt_tokens == body["count"]
+    assert post_root(stack, "/detokenize", {"model": stack.model, "tokens": body["tokens"]}).json() == {
+        "prompt": prompt}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = post_root(stack, "/tokenize", {"model": stack.model, "messages": messages}).json()
+    assert chat["tokens"] == reference.chat_ids(messages)
+    usage = stack.client().chat.completions.create(model=stack.model, messages=messages, max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
+     "add_generation_prompt"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+])
+def test_tokenize_and_detokenize_refuse_bad_bodies_by_field_and_go_on_serving(stack, path, body, field):
+    response = post_root(stack, path, body)
+    assert response.status_code == 400, response.text
+    assert field in response.text
+    assert post_root(stack, "/tokenize", {"prompt": "still here"}).status_code == 200
+
+
 def test_stop_token_ids_end_the_completion(stack, reference):
     prompt = "Paris is the capital of France. The quick brown fox"
     want_ids, _ = reference.greedy(reference.encode(prompt), 20)
