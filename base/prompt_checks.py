@@ -11,9 +11,9 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
 
 
-def check_logit_bias_ids(token_ids: Iterable[int], vocab_size: int) -> None:
+def check_logit_bias_ids(token_ids: Iterable[int], vocab_size: int, field: str = "logit_bias") -> None:
     if any(t >= vocab_size for t in token_ids):
-        raise ValueError(f"logit_bias token ids must lie in [0, {vocab_size})")
+        raise ValueError(f"{field} token ids must lie in [0, {vocab_size})")
 
 
 def check_fits_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:

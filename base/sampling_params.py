@@ -24,6 +24,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0   # OpenAI's bound
 MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18   # more than any vocabulary
 MAX_BAD_WORD_CHARS = 256
 
 WIRE = common_pb2.SamplingParams.DESCRIPTOR
@@ -91,6 +92,8 @@ class SamplingRules:
         self.validate_stops()
         self.validate_logit_bias()
         self.validate_bad_words()
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids, got {len(self.allowed_token_ids)}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 

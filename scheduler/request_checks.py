@@ -30,6 +30,7 @@ def check_new_request(request_id: str, prompt: list[int], params: SamplingParams
     check_fits_context(len(prompt), params.max_tokens, max_model_len)
     if vocab_size:
         check_logit_bias_ids(params.logit_bias, vocab_size)
+        check_logit_bias_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
     if params.n > max_num_seqs:
         raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
     needed = block_manager.most_blocks_held(len(prompt) + params.max_tokens, max_step_tokens)

@@ -1,6 +1,6 @@
-"""What a request changes in its row of logits before sampling: logit_bias, min_tokens (stop tokens masked until
-reached) and a structured output's token bitmask (from the scheduler's grammar matcher). Rows that ask for none
-of them cost nothing."""
+"""What a request changes in its row of logits before sampling: logit_bias, allowed_token_ids, min_tokens (stop
+tokens masked until reached) and a structured output's token bitmask (from the scheduler's grammar matcher). Rows
+that ask for none of them cost nothing."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +13,9 @@ BITS = torch.arange(32, dtype=torch.int32)
 
 
 def adjusts_logits(row: SampleRow) -> bool:
-    return row.bitmask is not None or bool(row.params.logit_bias) or row.num_output_tokens < row.params.min_tokens
+    params = row.params
+    return (row.bitmask is not None or bool(params.logit_bias) or bool(params.allowed_token_ids)
+            or row.num_output_tokens < params.min_tokens)
 
 
 def apply_adjustments(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: tuple[int, ...]) -> None:
@@ -22,6 +24,8 @@ def apply_adjustments(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids
     for i, row in enumerate(rows):
         if row.params.logit_bias:
             apply_logit_bias(logits[i], row.params.logit_bias)
+        if row.params.allowed_token_ids:
+            keep_only(logits[i], row.params.allowed_token_ids)
     masked = [i for i, row in enumerate(rows) if row.bitmask is not None]
     if masked:
         allowed = to_device(unpack_bitmasks([rows[i].bitmask for i in masked], logits.shape[1]), logits.device)
@@ -44,6 +48,13 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float]) -> None
     if ids:
         logits[tensor_on(ids, torch.long, logits.device)] += tensor_on([logit_bias[t] for t in ids], logits.dtype,
                                                                         logits.device)
+
+
+def keep_only(logits: torch.Tensor, token_ids: tuple[int, ...]) -> None:
+    """Every token but these at -inf (one float32 row; ids past the vocabulary: the scheduler refuses them)."""
+    allowed = tensor_on([t for t in token_ids if t < logits.shape[0]], torch.long, logits.device)
+    kept = logits.index_select(0, allowed)
+    logits.fill_(float("-inf")).index_copy_(0, allowed, kept)
 
 
 def stop_token_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> list[int]:

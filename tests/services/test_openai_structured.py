@@ -202,6 +202,16 @@ def test_logit_bias_of_100_forces_a_token_and_minus_100_forbids_one(stack, token
     assert banned["text"] != plain
 
 
+def test_allowed_token_ids_are_all_that_comes_out(stack, tokenizer):
+    (banana,) = tokenizer.encode(" banana", add_special_tokens=False)
+    (apple,) = tokenizer.encode(" apple", add_special_tokens=False)
+    text = ok(completion(stack, "The capital of France is", temperature=1.0, seed=1, max_tokens=6, ignore_eos=True,
+                         allowed_token_ids=[banana, apple]))["text"]
+    assert text.replace(" banana", "").replace(" apple", "") == "" and len(text.split()) == 6
+    refused = completion(stack, "Hi", allowed_token_ids=[10 ** 6])
+    assert refused.status_code == 400 and "allowed_token_ids" in refused.text
+
+
 def test_min_tokens_holds_back_the_end_of_the_text(stack):
     eager = {"logit_bias": {str(EOS): 100}, "temperature": 0, "max_tokens": 10}
     assert completion(stack, "Hello", **eager).json()["usage"]["completion_tokens"] == 1

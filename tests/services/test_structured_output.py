@@ -194,6 +194,21 @@ def test_logit_bias_forces_and_forbids_tokens(tiny_llama_dir):
         engine.generate(["hi"], SamplingParams(logit_bias={512: 1.0}))
 
 
+def test_allowed_token_ids_keep_the_output_to_them_and_greedy_takes_the_best_of_them(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    plain = engine.generate(["The quick brown"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    allowed = (plain.token_ids[0], 300, 301)
+    greedy = engine.generate(["The quick brown"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                 allowed_token_ids=allowed))[0]
+    assert greedy.token_ids[0] == plain.token_ids[0] and set(greedy.token_ids) <= set(allowed)
+    others = (300, 301, 302)
+    sampled = engine.generate(["The quick brown"], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                                  ignore_eos=True, allowed_token_ids=others))[0]
+    assert set(sampled.token_ids) <= set(others) and len(set(sampled.token_ids)) > 1
+    with pytest.raises(ValueError, match="allowed_token_ids token ids"):
+        engine.generate(["hi"], SamplingParams(allowed_token_ids=(5, 512)))
+
+
 def test_min_tokens_holds_back_eos_and_stop_token_ids_until_reached(tiny_llama_dir):
     engine = tiny_engine(tiny_llama_dir)
     eager = {EOS: 100.0, 300: 90.0}   # EOS first, then token 300, then anything else

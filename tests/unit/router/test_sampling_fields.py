@@ -32,6 +32,8 @@ PLACES = {
                        "scheduler/grammar_drafts.py"},        # and the model's, which end a grammar's proposals
     "ignore_eos": {"gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py"},
     "include_stop_str_in_output": {"router/core.py"},
+    "allowed_token_ids": {"base/sampling_params.py",              # its count check
+                          "scheduler/request_checks.py", "gpu_worker/sampling/logit_masks.py"},
     "bad_words": {"base/sampling_params.py", "scheduler/bad_words.py", "scheduler/core.py",
                   "scheduler/grammar_compilation.py", "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
 }
