@@ -89,6 +89,10 @@ class SamplingRules:
             accepted.check(name, getattr(self, name))
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the context) or at least 1, got "
+                             f"{self.truncate_prompt_tokens}")
         self.validate_stops()
         self.validate_logit_bias()
         self.validate_bad_words()

@@ -31,7 +31,7 @@ from router.policy import (
     RoutingInput, RoutingPolicy, least_loaded, notify_finished, plan_route, policy_name, requested_adapter,
     with_adapter,
 )
-from router.prompt_length import check_prompt_chars, off_the_loop_if_long
+from router.prompt_length import check_prompt_chars, off_the_loop_if_long, truncated_prompt
 from router.retry import RetryGovernor
 from router.router_telemetry import RequestObservation, RouterTelemetry
 from router.shared_limits import SharedKeyLimiter
@@ -149,6 +149,8 @@ class Router:
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
+        prompt_ids = truncated_prompt(prompt_ids, params.truncate_prompt_tokens, params.max_tokens,
+                                      candidates[0].max_model_len)
         check_prompt(prompt_ids, params, candidates[0])
         await admit_key(lease, len(prompt_ids))
         admit_tenant(ticket, len(prompt_ids))

@@ -26,3 +26,12 @@ async def off_the_loop_if_long(num_chars: int, work: Callable[..., T], *args) ->
     if num_chars <= LONG_PROMPT_CHARS:
         return work(*args)
     return await asyncio.to_thread(work, *args)
+
+
+def truncated_prompt(prompt_ids: list[int], truncate_prompt_tokens: int | None, max_tokens: int,
+                     max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (-1: what the context leaves beside max_tokens; None: all)."""
+    keep = truncate_prompt_tokens
+    if keep == -1 and max_model_len:
+        keep = max(1, max_model_len - max_tokens)
+    return prompt_ids[-keep:] if keep is not None and keep > 0 else prompt_ids

@@ -28,7 +28,7 @@ from router.http.streams import collect, started
 from router.http.tokenization import DetokenizeRequest, TokenizeRequest
 from router.http.tool_calls import add_grammar, detect_parser, tool_plan
 from router.lora_admin import LoraAdmin
-from router.prompt_length import check_prompt_chars, off_the_loop_if_long
+from router.prompt_length import check_prompt_chars, off_the_loop_if_long, truncated_prompt
 from router.tenants import TENANT_HEADER
 
 # (request, *, hold=False, api_key="", tenant_header="")
@@ -134,7 +134,8 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         max_tokens, prompt_ids = body.requested_max_tokens, None
         if max_tokens is None and model.max_model_len:   # OpenAI's default: what the context has left after the prompt
-            prompt_ids = await chat_prompt_ids(model, body)
+            prompt_ids = truncated_prompt(await chat_prompt_ids(model, body), body.truncate_prompt_tokens, 0,
+                                          0)   # -1 is the router's to apply, once max_tokens is known
             max_tokens = max(1, model.max_model_len - len(prompt_ids))
         tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
         generate_request = body.generate_request(request_id, model.route_name, max_tokens, prompt_ids)

@@ -176,6 +176,26 @@ def test_tokenize_and_detokenize_refuse_bad_bodies_by_field_and_go_on_serving(st
     assert post_root(stack, "/tokenize", {"prompt": "still here"}).status_code == 200
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, reference):
+    """vLLM's: a prompt longer than the context runs from its last k tokens, as if only those were sent."""
+    max_model_len = httpx.get(stack.base_url + "/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                              ).json()["data"][0]["max_model_len"]
+    prompt_ids = (reference.encode("Paris is the capital of France. ") * max_model_len)[:max_model_len + 40]
+    want_ids, _ = reference.greedy(prompt_ids[-24:], 8)
+    result = stack.client().completions.create(model=stack.model, prompt=prompt_ids, max_tokens=8, temperature=0,
+                                               extra_body={"truncate_prompt_tokens": 24})
+    assert result.usage.prompt_tokens == 24 and result.choices[0].text == reference.decode(want_ids)
+    whole = stack.client().completions.create(model=stack.model, prompt=prompt_ids, max_tokens=8, temperature=0,
+                                              extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == max_model_len - 8
+    messages = [{"role": "user", "content": "Paris is the capital of France. " * 40}]
+    chat = stack.client().chat.completions.create(model=stack.model, messages=messages, temperature=0,
+                                                  extra_body={"truncate_prompt_tokens": 24})
+    assert chat.usage.prompt_tokens == 24 and chat.usage.completion_tokens > 0
+    refused = stack.post("/completions", {"model": stack.model, "prompt": "hi", "truncate_prompt_tokens": 0})
+    assert refused.status_code == 400 and "truncate_prompt_tokens" in refused.text
+
+
 def test_stop_token_ids_end_the_completion(stack, reference):
     prompt = "Paris is the capital of France. The quick brown fox"
     want_ids, _ = reference.greedy(reference.encode(prompt), 20)

@@ -34,6 +34,8 @@ PLACES = {
     "include_stop_str_in_output": {"router/core.py"},
     "allowed_token_ids": {"base/sampling_params.py",              # its count check
                           "scheduler/request_checks.py", "gpu_worker/sampling/logit_masks.py"},
+    "truncate_prompt_tokens": {"base/sampling_params.py",         # its -1-or-at-least-1 check
+                               "router/core.py", "router/prompt_length.py", "router/http/app.py"},
     "bad_words": {"base/sampling_params.py", "scheduler/bad_words.py", "scheduler/core.py",
                   "scheduler/grammar_compilation.py", "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
 }
