@@ -131,11 +131,13 @@ class Engine:
             raise ValueError(f"params, lora_names: got {len(params_list)}, {len(lora_names)} for {len(prompts)} "
                              "prompts")
         results: dict[str, GenerationResult] = {}
+        skips: dict[str, bool] = {}   # each request's skip_special_tokens
         try:
             for prompt, p, lora_name in zip(prompts, params_list, lora_names):
                 request_id = f"gen-{next(self.ids)}"
                 token_ids = self.add_request(request_id, prompt, p, lora_name=lora_name)
                 results[request_id] = GenerationResult(request_id, token_ids, [SampleResult() for _ in range(p.n)])
+                skips[request_id] = p.skip_special_tokens
         except (ValueError, LookupError):
             for request_id in results:   # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(request_id)
@@ -148,8 +150,8 @@ class Engine:
                     sample.finish_reason = out.finish_reason or sample.finish_reason
                     if out.prompt_logprobs is not None:
                         results[out.request_id].prompt_logprobs = out.prompt_logprobs
-        for result in results.values():
+        for request_id, result in results.items():
             for sample in result.samples:
-                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=skips[request_id])
         return list(results.values())
 

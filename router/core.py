@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -170,7 +171,7 @@ class Router:
 
         def new_state() -> StreamState:   # a fresh one per attempt: a retry starts from the first token
             return StreamState(request_id, len(prompt_ids),
-                               [SampleState(IncrementalDetokenizer(tokenizer.decode, params.stop,
+                               [SampleState(IncrementalDetokenizer(decoder(tokenizer, params), params.stop,
                                                                    params.include_stop_str_in_output))
                                 for _ in range(params.n)],
                                stream_interval=request.stream_interval or self.stream_interval,
@@ -425,6 +426,13 @@ def prompt_token_ids(request: router_pb2.GenerateRequest, tokenizer: RouterToken
     if not ids:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt must not be empty")
     return ids
+
+
+def decoder(tokenizer: RouterTokenizer, params: SamplingParams) -> Callable[[list[int]], str]:
+    """The text of a sample's tokens: special tokens left out unless the request keeps them."""
+    if params.skip_special_tokens:
+        return tokenizer.decode
+    return functools.partial(tokenizer.decode, skip_special_tokens=False)
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:

@@ -212,6 +212,16 @@ def test_allowed_token_ids_are_all_that_comes_out(stack, tokenizer):
     assert refused.status_code == 400 and "allowed_token_ids" in refused.text
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(stack):
+    forced = {"logit_bias": {str(EOS): 100}, "temperature": 0, "max_tokens": 2, "ignore_eos": True}
+    assert ok(completion(stack, "Hello", **forced))["text"] == ""
+    assert ok(completion(stack, "Hello", skip_special_tokens=False, **forced))["text"] == "<|im_end|>" * 2
+    streamed = completion(stack, "Hello", skip_special_tokens=False, stream=True, **forced)
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "<|im_end|>" * 2
+
+
 def test_min_tokens_holds_back_the_end_of_the_text(stack):
     eager = {"logit_bias": {str(EOS): 100}, "temperature": 0, "max_tokens": 10}
     assert completion(stack, "Hello", **eager).json()["usage"]["completion_tokens"] == 1

@@ -39,7 +39,7 @@ PLACES = {
     "bad_words": {"base/sampling_params.py", "scheduler/bad_words.py", "scheduler/core.py",
                   "scheduler/grammar_compilation.py", "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
 }
-CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
+CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True, False], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
               dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}
 
 
@@ -60,8 +60,8 @@ def changed_value(name: str):
     """A value other than the default that the field accepts: one of its type's candidates."""
     for value in CANDIDATES[declared_type(name)]:
         try:
-            SamplingParams(**{name: value})
-            return value
+            if SamplingParams(**{name: value}) != SamplingParams():
+                return value
         except ValueError:
             continue
     raise AssertionError(f"no candidate value fits {name}")
