@@ -36,6 +36,9 @@ def step_tokens(configured: int, device_type: str) -> int:
 @dataclass
 class EngineConfig:
     model: str = option("", "local HF directory or .gguf file; empty: the default model (SmolLM2-135M-Instruct)")
+    served_model_name: list[str] = option([], "the model's name(s) in the API: requests may name any, responses "
+                                              "name the first; none: the model directory's name",
+                                          repeat=True, many=True, metavar="NAME")
     dtype: str = option("auto", "the dtype weights and activations are computed in; auto: bfloat16 on a GPU and on "
                                 "CPUs that multiply it natively, else float32", choices=DTYPES)
     device: str = option("auto", "where the worker runs; auto: a GPU where there is one", choices=DEVICES)

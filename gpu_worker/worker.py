@@ -184,7 +184,8 @@ class Worker:
                  " ".join(f"{key}={value}" for key, value in info.items()), pool.num_blocks, block_size)
         model_info = worker_pb2.ModelInfo(num_blocks=pool.num_blocks, block_size=block_size,
                                           max_model_len=max_model_len, vocab_size=whole_shape.vocab_size,
-                                          eos_token_ids=eos, model_name=model_dir.name,
+                                          eos_token_ids=eos,
+                                          model_name=(req.served_model_name or [model_dir.name])[0],
                                           model_path=str(model_dir.resolve()), sliding_window=freeable_window(shape),
                                           kv_dtype=info["dtype"], num_layers=shape.num_layers,
                                           num_kv_heads=whole_shape.num_kv_heads, head_dim=shape.head_dim,

@@ -60,6 +60,7 @@ class SchedulerInfo:
     lora_adapters: list[str] = field(default_factory=list)            # loaded: requests may name them
     resident_lora_adapters: list[str] = field(default_factory=list)   # in the device's slots: no load to wait for
     role: str = "both"      # prefill, decode or both (disaggregated prefill and decode: scheduler/options.py)
+    model_aliases: list[str] = field(default_factory=list)   # other names of `model` (--served-model-name)
 
     @property
     def load_tokens(self) -> int:

@@ -155,7 +155,7 @@ class Router:
         check_prompt(prompt_ids, params, candidates[0])
         await admit_key(lease, len(prompt_ids))
         admit_tenant(ticket, len(prompt_ids))
-        adapter = requested_adapter(request.model, candidates[0].model)
+        adapter = requested_adapter(request.model, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed,
                              adapter=adapter)
         request_id = request.request_id or uuid.uuid4().hex
@@ -220,7 +220,8 @@ class Router:
         if not schedulers:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
         if model:
-            serving = [s for s in schedulers if model == s.model or model in s.lora_adapters]
+            serving = [s for s in schedulers
+                       if model == s.model or model in s.model_aliases or model in s.lora_adapters]
             if not serving:
                 raise model_not_found(model, schedulers)
             return serving
@@ -344,7 +345,7 @@ class Router:
 
 def model_not_found(model: str, schedulers: list[SchedulerInfo]) -> RequestError:
     """NOT_FOUND naming `model` (a base model or LoRA adapter no live scheduler serves) and what is served."""
-    names = sorted({s.model for s in schedulers} | {a for s in schedulers for a in s.lora_adapters})
+    names = sorted({s.model for s in schedulers} | {a for s in schedulers for a in s.lora_adapters + s.model_aliases})
     return RequestError(grpc.StatusCode.NOT_FOUND, f"model {model!r} does not exist (serving: {', '.join(names)})",
                        param="model")
 

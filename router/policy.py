@@ -60,10 +60,10 @@ def notify_finished(policy: RoutingPolicy, request_id: str) -> None:
         finish(request_id)
 
 
-def requested_adapter(requested_model: str, served_model: str) -> str:
+def requested_adapter(requested_model: str, served: SchedulerInfo) -> str:
     """The LoRA adapter a request names by its model (GenerateRequest.model, the OpenAI body's `model`): "" when it
-    names no model or the base model the schedulers serve."""
-    return "" if requested_model in ("", served_model) else requested_model
+    names no model or the base model the schedulers serve (by its name or another of its names)."""
+    return "" if requested_model in ("", served.model, *served.model_aliases) else requested_model
 
 
 def with_adapter(candidates: Sequence[SchedulerInfo], adapter: str) -> list[SchedulerInfo]:

@@ -400,7 +400,8 @@ class EngineLoop:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, "LoRA adapters are off: start with --enable-lora")
         if not name or not path:
             raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required")
-        if name == self.info.model.model_name or name in lora.loaded or name in lora.retiring:
+        if name in (self.info.model.model_name, *self.config.served_model_name) or name in lora.loaded or (
+                name in lora.retiring):
             raise StatusError(grpc.StatusCode.ALREADY_EXISTS, f"the name {name!r} is taken" + (
                 " (an adapter being unloaded: its requests are still running)" if name in lora.retiring else ""))
         if self.restarting or self.failure:

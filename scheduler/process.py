@@ -70,7 +70,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> int:
                                           options.log_stats_interval)
         model = info.model
         identity = SchedulerInfo(scheduler_id, address, model.model_name, model.model_path, model.block_size,
-                                 model.max_model_len, model.vocab_size, config.hash_seed, role=options.role)
+                                 model.max_model_len, model.vocab_size, config.hash_seed, role=options.role,
+                                 model_aliases=config.served_model_name[1:])
         watch = StallWatch(loop.stalled_seconds, health_servicer, config.stall_timeout)
         registry = start_registry(loop, options, identity, serving_fn=lambda: not watch.stalled)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -137,10 +137,18 @@ def cancel_beside_others(services: ServiceStack, long_prompt: str, prompts: list
     wait_until(services.idle, "every block free again after the cancel", timeout=10)
 
 
+def flag_args(flag: str, value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A flag's arguments: a switch alone (None), one value, or several (a tuple)."""
+    if value is None:
+        return (flag,)
+    return (flag, *value) if isinstance(value, tuple) else (flag, value)
+
+
 def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple[str, ...] = ("--http-port", "0"),
                    scheduler_env: dict[str, str] | None = None, secured: Secured = Secured(),
-                   **scheduler_flags: str | None) -> ServiceStack:
-    """scheduler_env: extra environment for the schedulers (and so their workers); a flag given None is a switch."""
+                   **scheduler_flags: str | tuple[str, ...] | None) -> ServiceStack:
+    """scheduler_env: extra environment for the schedulers (and so their workers); a flag given None is a switch, a
+    tuple several values."""
     stack = Stack()
     try:
         redis_port = free_port()
@@ -155,7 +163,7 @@ def start_services(model_dir: Path, num_schedulers: int = 2, router_flags: tuple
             port = free_port()
             args = [sys.executable, "-m", "scheduler", "--port", str(port), "--scheduler-id", f"sched-{i}"]
             log = secured.log(f"sched-{i}")
-            args += [a for flag, value in flags.items() for a in ((flag,) if value is None else (flag, value))]
+            args += [a for flag, value in flags.items() for a in flag_args(flag, value)]
             schedulers.append(stack.start(args, f"scheduler {i}",
                                           env={**CHILD_ENV, **(scheduler_env or {})}, stderr=log))
             if log is not None:
@@ -349,9 +357,9 @@ class HttpStack:
 
 
 @contextmanager
-def start_http_stack(model_dir: Path) -> Iterator[HttpStack]:
+def start_http_stack(model_dir: Path, **scheduler_flags: str | tuple[str, ...] | None) -> Iterator[HttpStack]:
     """redis-server, one scheduler with its worker, and a router serving gRPC and the OpenAI API over HTTP."""
-    services = start_services(model_dir, num_schedulers=1)
+    services = start_services(model_dir, num_schedulers=1, **scheduler_flags)
     try:
         grpc_port, http_port = free_port(), free_port()
         services.stack.start([sys.executable, "-m", "router", "--port", str(grpc_port), "--redis-url",

@@ -63,8 +63,8 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model.name,
-                "choices": choices, **extra}
+        return {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.model.alias_of or self.model.name, "choices": choices, **extra}
 
     def body(self, collected: Collected) -> dict[str, Any]:
         choices = [self.final_choice(c) for c in collected.choices]

@@ -19,6 +19,7 @@ class ServedModel:
     tokenizer: RouterTokenizer
     max_model_len: int = 0
     parent: str = ""           # a LoRA adapter's base model ("": a base model)
+    alias_of: str = ""         # another name of the model named so (--served-model-name): responses give that one
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -55,6 +56,9 @@ def directory_models(directory: SchedulerDirectory) -> ModelsFn:
             name = info.model or Path(info.model_path).name
             if name not in models and info.model_path:
                 models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path), info.max_model_len)
+                for alias in info.model_aliases:
+                    models.setdefault(alias, ServedModel(alias, info.model, models[name].tokenizer,
+                                                         info.max_model_len, alias_of=name))
             for adapter in info.lora_adapters:
                 if adapter not in models and name in models:
                     models[adapter] = ServedModel(adapter, adapter, models[name].tokenizer, info.max_model_len, name)

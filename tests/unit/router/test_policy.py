@@ -168,8 +168,10 @@ def test_a_policys_name_is_read_without_its_repr():
 
 # --- LoRA adapters -----------------------------------------------------------------------------------------
 def test_a_request_names_an_adapter_by_a_model_other_than_the_base():
-    assert requested_adapter("", "m") == "" and requested_adapter("m", "m") == ""
-    assert requested_adapter("sql-lora", "m") == "sql-lora"
+    served = SchedulerInfo("s", "a", "m", "/m", 16, 256, 512, model_aliases=["m-alias"])
+    assert requested_adapter("", served) == "" and requested_adapter("m", served) == ""
+    assert requested_adapter("m-alias", served) == ""
+    assert requested_adapter("sql-lora", served) == "sql-lora"
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
