@@ -23,6 +23,7 @@ from router.http.schema import (
     ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
 )
 from router.http.served_models import ModelsFn, ServedModel
+from router.http.prompt_batches import all_started, batch_sse_events, merged_body
 from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tokenization import DetokenizeRequest, TokenizeRequest
@@ -121,10 +122,11 @@ class OpenAIServer:
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generate_request = await completion_request(body, request_id, model)
-        fmt = CompletionFormat(request_id, model, body.logprobs is not None, body.include_usage,
-                               echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
-                               want_prompt_logprobs=body.prompt_logprobs is not None)
+        if len(body.prompts) > 1:
+            parts = [await completion_part(body.model_copy(update={"prompt": prompt}), request_id, f"{request_id}-{i}",
+                                           model) for i, prompt in enumerate(body.prompts)]
+            return await self.respond_batch(request, parts, body.stream, body.num_samples)
+        generate_request, fmt = await completion_part(body, request_id, request_id, model)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -155,6 +157,30 @@ class OpenAIServer:
         responses = self.generate(generate_request, hold=True, api_key=api_key, tenant_header=tenant_header)
         collected = await unless_disconnected(request, collect(responses, num_samples))   # or ClientGone: 499
         return JSONResponse(fmt.body(collected))
+
+    async def respond_batch(self, request: Request, parts: list[tuple[router_pb2.GenerateRequest, CompletionFormat]],
+                            stream: bool, num_samples: int) -> Response:
+        """A batch of prompts side by side, answered as one (router/http/prompt_batches.py)."""
+        caller = dict(api_key=getattr(request.state, "api_key", ""),
+                      tenant_header=request.headers.get(TENANT_HEADER, ""))
+        formats = [fmt for _, fmt in parts]
+        if stream:
+            streams = await all_started([self.generate(g, **caller) for g, _ in parts])
+            return StreamingResponse(batch_sse_events(streams, formats, num_samples), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        work = asyncio.gather(*[collect(self.generate(g, hold=True, **caller), num_samples) for g, _ in parts])
+        collected = await unless_disconnected(request, work)
+        return JSONResponse(merged_body([fmt.body(c) for fmt, c in zip(formats, collected)], num_samples))
+
+
+async def completion_part(body: CompletionRequest, response_id: str, request_id: str, model: ServedModel
+                          ) -> tuple[router_pb2.GenerateRequest, CompletionFormat]:
+    """One prompt's request, and the format of its answer (under response_id, a batch's shared id)."""
+    generate_request = await completion_request(body, request_id, model)
+    fmt = CompletionFormat(response_id, model, body.logprobs is not None, body.include_usage,
+                           echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
+                           want_prompt_logprobs=body.prompt_logprobs is not None)
+    return generate_request, fmt
 
 
 async def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:

@@ -25,6 +25,7 @@ INT32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 UINT32 = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 SEED = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TOP_LOGPROBS = Annotated[int, Field(ge=0, le=20)]
+MAX_BATCH_PROMPTS = 256   # a completion's batch of prompts (each runs as a request of its own)
 # OpenAI's optional switches take null for their default (off), as vLLM's do
 SWITCH = Annotated[bool, BeforeValidator(lambda value: False if value is None else value)]
 WIRE_TYPES = {FieldDescriptor.TYPE_UINT32: UINT32, FieldDescriptor.TYPE_INT32: INT32,
@@ -102,9 +103,10 @@ class CompletionRequest(SamplingRequest):
     prompt_logprobs: TOP_LOGPROBS | None = None   # vLLM's extra field: each prompt token's logprob and top k
 
     def unsupported(self) -> tuple[str, str] | None:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                return "prompt", "a batch of prompts is not supported: send one prompt per request"
+        if len(self.prompts) > MAX_BATCH_PROMPTS:
+            return "prompt", f"a batch may hold at most {MAX_BATCH_PROMPTS} prompts, got {len(self.prompts)}"
+        if len(self.prompts) > 1 and self.suffix:
+            return "suffix", "suffix takes one prompt, not a batch"
         if self.best_of is not None and self.best_of != self.num_samples:
             return "best_of", "best_of other than n is not supported"
         if self.tools:
@@ -112,6 +114,13 @@ class CompletionRequest(SamplingRequest):
         if self.stream and self.prompt_logprobs is not None:
             return "prompt_logprobs", "prompt_logprobs is not available when streaming: use echo with logprobs"
         return None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts: several where prompt is a list of strings or of token-id lists, else the one."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
 
     @property
     def single_prompt(self) -> str | list[int]:

@@ -196,6 +196,29 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, reference):
     assert refused.status_code == 400 and "truncate_prompt_tokens" in refused.text
 
 
+def test_a_batch_of_prompts_answers_each_prompts_samples_in_order_with_the_usage_summed(stack, reference):
+    """OpenAI's prompt as a list (lm-eval-harness sends batches): prompt i's sample j is choice i * n + j."""
+    prompts = ["Paris is the capital of", "The quick brown fox", "Berlin is"]
+    wanted = [reference.decode(reference.greedy(reference.encode(p), 6)[0]) for p in prompts]
+    result = stack.client().completions.create(model=stack.model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in result.choices] == list(range(6))
+    assert [c.text for c in result.choices] == [text for text in wanted for _ in range(2)]
+    assert result.usage.prompt_tokens == sum(len(reference.encode(p)) for p in prompts)
+    assert result.usage.completion_tokens == sum(len(reference.greedy(reference.encode(p), 6)[0]) for p in prompts) * 2
+    as_ids = stack.client().completions.create(model=stack.model, prompt=[reference.encode(p) for p in prompts],
+                                               max_tokens=6, temperature=0)
+    assert [c.text for c in as_ids.choices] == wanted
+    streamed: dict[int, str] = {}
+    chunks = list(stack.client().completions.create(model=stack.model, prompt=prompts, max_tokens=6, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == wanted
+    assert chunks[-1].usage.prompt_tokens == result.usage.prompt_tokens
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
 def test_stop_token_ids_end_the_completion(stack, reference):
     prompt = "Paris is the capital of France. The quick brown fox"
     want_ids, _ = reference.greedy(reference.encode(prompt), 20)

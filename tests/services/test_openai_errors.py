@@ -40,7 +40,9 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
     ("/completions", {"prompt": "hello " * 1200, "max_tokens": 8}, ["max_model_len"], None),
     ("/completions", {"prompt": [1, 2, 100000]}, ["token ids"], None),
     ("/completions", {"prompt": ""}, ["prompt must not be empty"], None),
-    ("/completions", {"prompt": ["a", "b"]}, ["batch"], "prompt"),
+    ("/completions", {"prompt": ["a"] * 257}, ["batch", "256"], "prompt"),
+    ("/completions", {"prompt": ["a", "b"], "suffix": "x"}, ["suffix"], "suffix"),
+    ("/completions", {"prompt": [[1, 2], [3, 100000]]}, ["token ids"], None),   # one bad prompt refuses the batch
     ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, ["logprobs"],
      "top_logprobs"),
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}], "max_tokens": 2},
