@@ -223,11 +223,12 @@ def indexed_blocks(redis_client: redis.Redis, scheduler_id: str) -> list[int]:
     return [int(h) for h in redis_client.smembers(f"ferry:blocks:{scheduler_id}")]
 
 
-def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+def wait_until(predicate, what: str, timeout: float = 30.0, explain=lambda: "") -> None:
+    """explain: what the failure message adds (the state that was waited on)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
+            raise AssertionError(f"timed out waiting for: {what} {explain()}".rstrip())
         time.sleep(0.05)
 
 

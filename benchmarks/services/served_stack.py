@@ -1,6 +1,7 @@
 """`ferry up` as a subprocess for benchmarks: started, read until its ready line, stopped with SIGTERM."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -77,8 +78,10 @@ class ServedStack:
             self.process.send_signal(signal.SIGTERM)   # ferry up stops its own stack
             try:
                 self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+            except subprocess.TimeoutExpired:   # each service is a session of its own: ferry up's group is not theirs
+                for pid in [self.process.pid, *self.pids.values()]:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
                 self.process.wait()
 
     def __enter__(self) -> ServedStack:

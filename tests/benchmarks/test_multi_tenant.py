@@ -2,12 +2,14 @@
 stopped with SIGTERM."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 from benchmarks.services.multi_tenant import Answer, Load, Prompts, flood_summary, open_loop_times, ratios, read_chunk
 from tests.deploy.test_cli import processes_with_marker
@@ -103,6 +105,17 @@ def test_a_benchmark_stopped_with_sigterm_stops_the_stack_it_started(tiny_llama_
                    timeout=120)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(90) == 128 + signal.SIGTERM
-        wait_until(lambda: not processes_with_marker(marker), "every process of the stack gone", timeout=30)
+        wait_until(lambda: not processes_with_marker(marker), "every process of the stack gone", timeout=30,
+                   explain=lambda: "left: " + "; ".join(command_line(pid) for pid in processes_with_marker(marker)))
     finally:
         bench.kill()
+        for pid in processes_with_marker(marker):   # none, unless the test failed: not left for the next ones
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def command_line(pid: int) -> str:
+    try:
+        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return f"{pid} (gone)"
