@@ -84,6 +84,18 @@ def test_lora_decode_steps_from_cuda_graphs_give_the_tokens_of_eager_steps(tiny_
     assert sum(a != b for a, b in zip(outputs[False], base)) >= 4   # the adapted rows' tokens moved
 
 
+@pytest.mark.parametrize("family", ["phi3_partial_rotary", "gemma3_text"])
+def test_partial_rotary_and_gemma_3_decode_as_transformers_on_the_gpu(tmp_path, family) -> None:
+    """The rotary's torch path (the GPU's) on a head that rotates only in part, and Gemma 3's layers with the
+    decode graphs: fp32 greedy tokens equal to transformers' on the same GPU."""
+    from benchmarks.engine.exactness import ferry_greedy, transformers_greedy
+    from tests.model_families_fixtures import build_tiny_model
+    model_dir, model = build_tiny_model(tmp_path, family)
+    prompts = [[5 + i, 17, 99, 3, 250 - i, 41][: 2 + i % 5] * (1 + i % 3) for i in range(6)]
+    expected = transformers_greedy(model.to("cuda"), prompts, 12)
+    assert ferry_greedy(str(model_dir), torch.float32, "cuda", prompts, 12, kv_cache_memory=GiB // 8) == expected
+
+
 def test_overlap_is_the_default_on_a_gpu(tiny_fp32) -> None:
     from ferry import Engine, EngineConfig
     engine = Engine(EngineConfig(model=str(tiny_fp32), dtype="float32", device="cuda", kv_cache_memory=GiB // 8))
