@@ -3,16 +3,12 @@ and the in-process engine on admission): its token ids inside the vocabulary, pr
 context. Both raise ValueError with the reason a client reads; each caller turns it into its own status."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
-def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, field: str = "prompt") -> None:
+    """The token ids a field holds (the prompt, or a sampling field of ids) inside the vocabulary."""
     if any(not 0 <= t < vocab_size for t in token_ids):
-        raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
-
-
-def check_logit_bias_ids(token_ids: Iterable[int], vocab_size: int, field: str = "logit_bias") -> None:
-    if any(t >= vocab_size for t in token_ids):
         raise ValueError(f"{field} token ids must lie in [0, {vocab_size})")
 
 

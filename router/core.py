@@ -17,7 +17,7 @@ import grpc
 from opentelemetry.context import Context
 
 from base.errors import StatusError
-from base.prompt_checks import check_fits_context, check_logit_bias_ids, check_token_ids
+from base.prompt_checks import check_fits_context, check_token_ids
 from base.sampling_params import SamplingParams
 from protos import router_pb2, scheduler_pb2
 from protos.block_hash import hash_blocks
@@ -448,6 +448,6 @@ def check_prompt(prompt_ids: list[int], params: SamplingParams, target: Schedule
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
     try:
         if target.vocab_size:
-            check_logit_bias_ids(params.logit_bias, target.vocab_size)
+            check_token_ids(params.logit_bias, target.vocab_size, "logit_bias")
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e), param="logit_bias") from e

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from base.prompt_checks import check_fits_context, check_logit_bias_ids
+from base.prompt_checks import check_fits_context, check_token_ids
 from base.sampling_params import SamplingParams
 from scheduler.block_manager import BlockManager
 
@@ -29,8 +29,8 @@ def check_new_request(request_id: str, prompt: list[int], params: SamplingParams
         raise ValueError("prompt must not be empty")
     check_fits_context(len(prompt), params.max_tokens, max_model_len)
     if vocab_size:
-        check_logit_bias_ids(params.logit_bias, vocab_size)
-        check_logit_bias_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
+        check_token_ids(params.logit_bias, vocab_size, "logit_bias")
+        check_token_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids")
     if params.n > max_num_seqs:
         raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
     needed = block_manager.most_blocks_held(len(prompt) + params.max_tokens, max_step_tokens)

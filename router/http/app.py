@@ -99,7 +99,7 @@ class OpenAIServer:
             check_length("prompt", len(body.prompt), model.max_model_len)
             encode = (model.tokenizer.encode if not body.add_special_tokens   # as /v1/completions encodes it
                       else lambda text: model.tokenizer.tokenizer.encode(text).ids)
-            ids = await asyncio.to_thread(encode, body.prompt)
+            ids = await off_the_loop_if_long(len(body.prompt), encode, body.prompt)
         strs = [model.tokenizer.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
 
