@@ -273,10 +273,6 @@ def router_options(args: argparse.Namespace, redis_url: str, model_dir: str, sch
                      schedulers=[f"127.0.0.1:{port}" for port in scheduler_ports])
 
 
-def raise_interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
 def run_up(args: argparse.Namespace) -> int:
     try:
         from_args(EngineConfig, args).validate()   # a bad flag stops here, before any process starts
@@ -288,7 +284,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"ferry up: error: {e}", file=sys.stderr, flush=True)
         return 2
     stack = Stack()
-    signal.signal(signal.SIGTERM, raise_interrupt)
+    signal.signal(signal.SIGTERM, stack.interrupt)
+    signal.signal(signal.SIGINT, stack.interrupt)
     try:
         supervisor = Supervisor(stack)
         start_stack(args, supervisor, envs)

@@ -13,6 +13,16 @@ class Stack:
     """Every process `ferry up` started, each in its own process group (a scheduler's group holds its worker)."""
     processes: list[subprocess.Popen] = field(default_factory=list)
     redis: subprocess.Popen | None = None   # the redis-server it started, if any: stopped last
+    starting: bool = False      # inside start(): an interrupt waits until the new process is recorded
+    interrupted: bool = False
+
+    def interrupt(self, *_) -> None:
+        """`ferry up`'s SIGTERM and SIGINT handler: KeyboardInterrupt, which stops the stack; not while a process
+        is being started, which it would leave running and unrecorded, so never stopped: then once it is recorded."""
+        if self.starting:
+            self.interrupted = True
+            return
+        raise KeyboardInterrupt
 
     def start(self, args: list[str], name: str, stdin_text: str = "", stops_last: bool = False,
               **popen_kwargs) -> subprocess.Popen:
@@ -20,11 +30,17 @@ class Stack:
         stops_last: Redis, which the services deregister from on their way out."""
         if stdin_text:
             popen_kwargs["stdin"] = subprocess.PIPE
-        process = subprocess.Popen(args, start_new_session=True, **popen_kwargs)
+        self.starting = True
+        try:
+            process = subprocess.Popen(args, start_new_session=True, **popen_kwargs)
+            self.processes.append(process)
+        finally:
+            self.starting = False
+            if self.interrupted:
+                raise KeyboardInterrupt
         if stdin_text:
             process.stdin.write(stdin_text.encode())
             process.stdin.close()
-        self.processes.append(process)
         if stops_last:
             self.redis = process
         print(f"[ferry] started {name} (pid {process.pid})", flush=True)
