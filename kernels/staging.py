@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 
 
+def staged(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """host, pinned where device is a GPU: a copy_(..., non_blocking=True) from it into a device tensor is then
+    queued, not waited for."""
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host

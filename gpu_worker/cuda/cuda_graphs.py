@@ -18,6 +18,7 @@ import torch
 
 from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.model import AttentionBatch
+from kernels.staging import staged
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,7 @@ class DecodeGraphs:
         longs = torch.tensor([rows.input_ids + [0] * pad, rows.positions + [0] * pad, rows.slots + [-1] * pad],
                              dtype=torch.long)
         lens = torch.tensor([p + 1 for p in rows.positions] + [1] * pad, dtype=torch.int32)
-        if self.device.type == "cuda":   # one pinned staging copy each, not waited for
-            longs, tables, lens = longs.pin_memory(), tables.pin_memory(), lens.pin_memory()
+        longs, tables, lens = (staged(host, self.device) for host in (longs, tables, lens))
         inputs = self.inputs
         for target, source in ((inputs.input_ids[:size], longs[0]), (inputs.positions[:size], longs[1]),
                                (inputs.slots[:size], longs[2]), (inputs.block_tables[:size], tables),

@@ -13,6 +13,7 @@ import torch
 
 from gpu_worker.lora.peft_adapter import LinearSlices, LoraWeights
 from kernels import cpu_lora, torch_lora
+from kernels.staging import staged
 from kernels.torch_lora import LoraRows, segments_of
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # LayerPlan's fields, in order
@@ -119,10 +120,8 @@ class GraphRows:
         pad = [0] * (self.num_slots - len(slots))
         host_order = torch.tensor(order + [0] * (len(row_slots) - len(order)), dtype=torch.long)
         host_segments = torch.tensor([starts + pad, lengths + pad, slots + pad], dtype=torch.int32)
-        if self.device.type == "cuda":   # pinned: the copies are queued, not waited for
-            host_order, host_segments = host_order.pin_memory(), host_segments.pin_memory()
-        self.order[:len(row_slots)].copy_(host_order, non_blocking=True)
-        self.segments.copy_(host_segments, non_blocking=True)
+        self.order[:len(row_slots)].copy_(staged(host_order, self.device), non_blocking=True)
+        self.segments.copy_(staged(host_segments, self.device), non_blocking=True)
 
 
 @dataclass
