@@ -51,10 +51,11 @@ class RouterTokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return template
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: the tokenizer's own (a BOS, say), which a prompt Ferry runs never gets."""
         if len(text) > LONG_PROMPT_CHARS:   # encode_batch frees the GIL while it works (encode holds it)
-            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
-        return self.tokenizer.encode(text, add_special_tokens=False).ids if text else []
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids if text else []
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

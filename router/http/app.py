@@ -97,9 +97,8 @@ class OpenAIServer:
             ids = await chat_prompt_ids(model, body)
         else:
             check_length("prompt", len(body.prompt), model.max_model_len)
-            encode = (model.tokenizer.encode if not body.add_special_tokens   # as /v1/completions encodes it
-                      else lambda text: model.tokenizer.tokenizer.encode(text).ids)
-            ids = await off_the_loop_if_long(len(body.prompt), encode, body.prompt)
+            ids = await off_the_loop_if_long(len(body.prompt), model.tokenizer.encode, body.prompt,
+                                             body.add_special_tokens)
         strs = [model.tokenizer.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -110,7 +109,7 @@ class OpenAIServer:
         vocab_size = model.tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
         if any(token >= vocab_size for token in body.tokens):
             raise APIError(400, f"tokens: ids must be below the vocabulary's {vocab_size}", param="tokens")
-        return {"prompt": model.tokenizer.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     def admin(self) -> LoraAdmin:
         if self.lora_admin is None:
