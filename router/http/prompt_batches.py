@@ -10,9 +10,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from protos import router_pb2
-from router.http.errors import api_error
 from router.http.formats import ResponseFormat, usage_json
-from router.http.sse import sse
+from router.http.sse import format_chunks, sse_stream
 from router.http.streams import started
 
 
@@ -62,13 +61,9 @@ async def merged_chunks(streams: list[AsyncIterator[router_pb2.GenerateResponse]
 
     async def pump(i: int) -> None:
         try:
-            async with contextlib.aclosing(streams[i]):
-                for chunk in formats[i].opening_chunks(num_samples):
+            async with contextlib.aclosing(format_chunks(streams[i], formats[i], num_samples)) as chunks:
+                async for chunk in chunks:
                     await queue.put(reindexed(chunk, i * num_samples))
-                async for response in streams[i]:
-                    chunk = formats[i].chunk(response)
-                    if chunk is not None:
-                        await queue.put(reindexed(chunk, i * num_samples))
         except Exception as e:
             await queue.put(e)
         finally:
@@ -91,15 +86,10 @@ async def merged_chunks(streams: list[AsyncIterator[router_pb2.GenerateResponse]
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-async def batch_sse_events(streams: list[AsyncIterator[router_pb2.GenerateResponse]],
-                           formats: list[ResponseFormat], num_samples: int) -> AsyncIterator[bytes]:
+def batch_sse_events(streams: list[AsyncIterator[router_pb2.GenerateResponse]], formats: list[ResponseFormat],
+                     num_samples: int) -> AsyncIterator[bytes]:
     """sse_events for a batch: one stream of events, one usage chunk at the end (summed)."""
-    try:
-        async for chunk in merged_chunks(streams, formats, num_samples):
-            yield sse(chunk)
-        if formats[0].include_usage:
-            usage = summed_usage([usage_json(fmt.usage) for fmt in formats])
-            yield sse(formats[0].envelope(formats[0].chunk_object, [], usage=usage))
-    except Exception as e:    # the status line has gone out: the error travels as an event
-        yield sse(api_error(e).body())
-    yield sse("[DONE]")
+    def usage_chunk() -> dict[str, Any]:
+        usage = summed_usage([usage_json(fmt.usage) for fmt in formats])
+        return formats[0].envelope(formats[0].chunk_object, [], usage=usage)
+    return sse_stream(merged_chunks(streams, formats, num_samples), usage_chunk if formats[0].include_usage else None)
