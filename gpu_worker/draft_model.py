@@ -38,6 +38,7 @@ class DraftModel:
     model: torch.nn.Module
     pool: KVPool
     max_model_len: int
+    name: str = ""           # its directory's (KV transfer's layout names it)
 
     def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> None:
         """Compute the draft's KV for the step's tokens (the target's own inputs and metadata)."""

@@ -1,9 +1,6 @@
 """The paged KV pool: one preallocated tensor holding every layer's K and V blocks."""
 from __future__ import annotations
 
-import math
-import os
-
 import numpy
 import torch
 
@@ -44,30 +41,22 @@ class KVPool:
     def copy_block(self, src: int, dst: int) -> None:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
 
-    def read_blocks(self, block_ids: list[int], shm_path: str = "") -> bytes:
-        """Every layer's K and V of the blocks, [layers, 2, blocks, kv_heads, block_size, head_dim], as raw bytes;
-        written to shm_path instead where given (b"" returned)."""
-        # block by block: one contiguous copy each (an index_select over the pool's middle dimension is 4x slower)
-        raw = torch.stack([self.tensor[:, :, b] for b in block_ids], dim=2).cpu().view(torch.uint8).numpy()
-        if shm_path:
-            raw.tofile(shm_path)
-            return b""
-        return raw.tobytes()
+    @property
+    def bytes_per_block(self) -> int:
+        """One block's K and V over every layer, as read_raw gives them."""
+        return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
-    def write_blocks(self, block_ids: list[int], data: bytes, shm_path: str = "") -> None:
-        """read_blocks's bytes (of another pool of the same layout) into these blocks, from data or the file
-        shm_path (removed once read); ValueError if the size is not theirs."""
+    def read_raw(self, block_ids: list[int]) -> numpy.ndarray:
+        """Every layer's K and V of the blocks, [layers, 2, blocks, kv_heads, block_size, head_dim], as host bytes."""
+        # block by block: one contiguous copy each (an index_select over the pool's middle dimension is 4x slower)
+        return torch.stack([self.tensor[:, :, b] for b in block_ids], dim=2).cpu().view(torch.uint8).numpy()
+
+    def write_raw(self, block_ids: list[int], raw: numpy.ndarray) -> None:
+        """read_raw's bytes (of another pool of this layout) into these blocks; ValueError if the size is not theirs."""
         layers, kinds, _, heads, size, dim = self.tensor.shape
+        if raw.size != len(block_ids) * self.bytes_per_block:
+            raise ValueError(f"KV data of {raw.size} bytes for {len(block_ids)} blocks of {self.bytes_per_block}")
         shape = (layers, kinds, len(block_ids), heads, size, dim)
-        if shm_path:
-            raw = torch.from_numpy(numpy.fromfile(shm_path, dtype=numpy.uint8))
-            os.unlink(shm_path)
-        else:
-            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        expected = math.prod(shape) * self.tensor.element_size()
-        if raw.numel() != expected:
-            raise ValueError(f"KV data of {raw.numel()} bytes for {len(block_ids)} blocks of "
-                             f"{expected // len(block_ids)}")
-        blocks = raw.view(self.tensor.dtype).view(shape).to(self.tensor.device)
+        blocks = torch.from_numpy(raw).view(self.tensor.dtype).view(shape).to(self.tensor.device)
         for i, block_id in enumerate(block_ids):
             self.tensor[:, :, block_id].copy_(blocks[:, :, i])

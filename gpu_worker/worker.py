@@ -13,6 +13,7 @@ from gpu_worker.cpu import cpu_features, cpu_heap, cpu_linear, quantized_linears
 from gpu_worker.cuda import device_memory, warm_up
 from gpu_worker.cuda.cuda_graphs import DecodeGraphs, cuda_capture
 from gpu_worker.draft_model import DraftModel
+from gpu_worker.kv_blocks import WorkerBlocks
 from gpu_worker.kv_pool import DEFAULT_CPU_KV_BYTES, KVPool, block_bytes
 from gpu_worker.loading.model_files import gguf_source, language_model_config, resolve_model_dir
 from gpu_worker.loading.weights import Checkpoint, load_weights
@@ -119,6 +120,7 @@ class Worker:
         self.overlaps = False   # steps are launched ahead of the previous one's tokens (launch(); worker_overlap)
         self.tp = tp
         self.followers: Followers | None = None   # rank 0's ranks 1..N-1
+        self.blocks: WorkerBlocks | None = None   # the KV pools' blocks out and in (KV transfer)
         self.exit_with_group = exit_with_group    # a worker process: a rank's death ends it (group.py)
 
     def init(self, req: worker_pb2.InitRequest) -> worker_pb2.InitResponse:
@@ -170,7 +172,8 @@ class Worker:
         self.runner.lora, self.runner.adapters = lora
         if draft is not None:
             draft_pool = KVPool.of_blocks(draft[1], block_size, pool.num_blocks, dtype, device)
-            self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len)
+            self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len, draft[2])
+        self.blocks = WorkerBlocks([pool] + ([self.runner.draft.pool] if draft else []), self.followers)
         if device.type == "cuda":
             warm_up.compile_kernels(self.runner, step_tokens(req.max_num_batched_tokens, "cuda"), max_model_len)
         if (device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None
@@ -190,7 +193,9 @@ class Worker:
                                           kv_dtype=info["dtype"], num_layers=shape.num_layers,
                                           num_kv_heads=whole_shape.num_kv_heads, head_dim=shape.head_dim,
                                           tensor_parallel_size=self.tp.size if self.tp else 1,
-                                          max_num_batched_tokens=step_tokens(req.max_num_batched_tokens, device.type))
+                                          max_num_batched_tokens=step_tokens(req.max_num_batched_tokens, device.type),
+                                          kv_block_bytes=self.blocks.bytes_per_block,
+                                          draft_model_name=draft[2] if draft else "")
         rank_weight_bytes = self.tp.gather_ints(weight_bytes) if self.tp else [weight_bytes]
         if self.tp is not None:
             info["tensor_parallel_size"] = str(self.tp.size)
@@ -210,8 +215,9 @@ class Worker:
         self.followers.send(INIT, req)
 
     def load_draft(self, req: worker_pb2.InitRequest, target, max_model_len: int, dtype: torch.dtype,
-                   device: torch.device, layer_ops) -> tuple[torch.nn.Module, object] | None:
-        """The speculative config's draft model and its shape, checked against the target; None without one."""
+                   device: torch.device, layer_ops) -> tuple[torch.nn.Module, object, str] | None:
+        """The speculative config's draft model, its shape and its name, checked against the target; None without
+        one."""
         config = parse_speculative_config(req.speculative_config)
         if config is None or config.method != "draft_model":
             return None
@@ -227,7 +233,7 @@ class Worker:
             raise ValueError("speculative_config.model: a draft model must attend to its whole context (no sliding "
                              "window, no softcapped scores)")
         model.layer_ops = layer_ops
-        return model, shape
+        return model, shape, model_dir.name
 
     @staticmethod
     def load_model(family, shape, hf_config, max_model_len, model_dir, dtype, device, gguf_file: Path | None,
@@ -260,20 +266,16 @@ class Worker:
         return worker_pb2.LoadAdapterResponse(rank=weights.rank, target_modules=weights.target_modules)
 
     def read_blocks(self, req: worker_pb2.ReadBlocksRequest) -> worker_pb2.BlocksData:
-        self.check_kv_transfer()
-        return worker_pb2.BlocksData(data=self.runner.pool.read_blocks(list(req.block_ids), req.shm_path))
+        return worker_pb2.BlocksData(data=self.kv_blocks().read(list(req.block_ids), req.shm_path))
 
     def write_blocks(self, req: worker_pb2.WriteBlocksRequest) -> worker_pb2.BlocksData:
-        self.check_kv_transfer()
-        self.runner.pool.write_blocks(list(req.block_ids), req.data, req.shm_path)
+        self.kv_blocks().write(list(req.block_ids), req.data, req.shm_path)
         return worker_pb2.BlocksData()
 
-    def check_kv_transfer(self) -> None:
-        """ValueError where a block is more than this pool's: other ranks' heads, a draft model's pool."""
-        if self.runner is None:
+    def kv_blocks(self) -> WorkerBlocks:
+        if self.blocks is None:
             raise ValueError("the worker has no model yet")
-        if self.tp is not None or self.runner.draft is not None:
-            raise ValueError("KV transfer with tensor parallelism or a draft model is not supported yet")
+        return self.blocks
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult:
         """One step, start to end."""

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20     # KV per streamed message (whole blocks): big enough to stream fast, small to pipeline
 PULL_STALL_S = 5.0        # a peer that sends nothing for this long is given up on (the rest is recomputed)
 MIN_PULL_BLOCKS = 1
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ferry-kv-"
 PROBE_PREFIX = "ferry-probe-"
@@ -48,18 +47,14 @@ def kv_layout(model: worker_pb2.ModelInfo, hash_root: int) -> scheduler_pb2.KvLa
     return scheduler_pb2.KvLayout(model_name=model.model_name, dtype=model.kv_dtype, block_size=model.block_size,
                                   num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
                                   head_dim=model.head_dim, tensor_parallel_size=model.tensor_parallel_size or 1,
-                                  hash_root=hash_root)
+                                  hash_root=hash_root, block_bytes=model.kv_block_bytes,
+                                  draft_model_name=model.draft_model_name)
 
 
 def layout_difference(mine: scheduler_pb2.KvLayout, theirs: scheduler_pb2.KvLayout) -> str:
     """What differs between two layouts, in words ("" where their blocks are interchangeable)."""
     return "; ".join(f"{f.name}: {getattr(theirs, f.name)!r} here {getattr(mine, f.name)!r}"
                      for f in mine.DESCRIPTOR.fields if getattr(mine, f.name) != getattr(theirs, f.name))
-
-
-def block_bytes(layout: scheduler_pb2.KvLayout) -> int:
-    return (2 * layout.num_layers * layout.num_kv_heads * layout.block_size * layout.head_dim
-            * DTYPE_BYTES.get(layout.dtype, 4))
 
 
 @dataclass
@@ -97,7 +92,7 @@ class KvServer:
             remove_stale_files()
         manager.pin(block_ids)
         try:
-            per_chunk = max(1, CHUNK_BYTES // block_bytes(mine))
+            per_chunk = max(1, CHUNK_BYTES // max(1, mine.block_bytes))
             for start in range(0, len(block_ids), per_chunk):
                 ids = block_ids[start:start + per_chunk]
                 path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{uuid.uuid4().hex}") if shared else ""
@@ -181,7 +176,7 @@ class KvPulls:
                         return   # the worker restarted, or the request was aborted: nothing more to do
                 finally:
                     remove_chunk_file(chunk.shm_path)   # gone already once its worker read it
-                self.counters.pulled_bytes += len(chunk.block_hashes) * block_bytes(layout)
+                self.counters.pulled_bytes += len(chunk.block_hashes) * layout.block_bytes
         finally:
             call.cancel()
 

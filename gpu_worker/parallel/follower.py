@@ -1,11 +1,17 @@
 """`python -m gpu_worker.parallel.follower`: a tensor-parallel rank other than 0, started by rank 0 (group.py). It
 runs every Init, Step and adapter load rank 0 forwards on its own shard and answers nobody: rank 0 answers the
-scheduler."""
+scheduler. Beside the steps it answers rank 0's side requests: its share of KV blocks out and in (KV transfer
+between schedulers), on a thread of its own, as rank 0 serves them beside its steps (gpu_worker/process.py says
+why that is safe)."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import threading
+
+import numpy
 
 from protos import worker_pb2
 
@@ -17,6 +23,8 @@ def main() -> None:
     parser.add_argument("--init-method", required=True, help="the group's rendezvous, tcp://HOST:PORT")
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
     parser.add_argument("--parent-pid", type=int, required=True, help="rank 0: exit when it dies")
+    parser.add_argument("--side-requests", type=int, required=True, help="the side pipe's read end (a descriptor)")
+    parser.add_argument("--side-answers", type=int, required=True, help="its answers' write end (a descriptor)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker rank {args.rank} %(levelname)s %(message)s")
     from gpu_worker.parallel.group import INIT, LOAD_ADAPTER, TensorParallel, read_message
@@ -25,6 +33,8 @@ def main() -> None:
 
     exit_with_parent(args.parent_pid)
     worker = Worker(TensorParallel.join(args.rank, args.size, args.init_method, args.device))
+    threading.Thread(target=answer_side_requests, args=(worker, args.side_requests, args.side_answers), daemon=True,
+                     name="side-requests").start()
     while (message := read_message(sys.stdin.buffer)) is not None:
         kind, payload = message
         if kind == INIT:
@@ -33,6 +43,32 @@ def main() -> None:
             worker.load_adapter(worker_pb2.LoadAdapterRequest.FromString(payload))
         else:
             worker.step(worker_pb2.StepRequest.FromString(payload))
+
+
+def answer_side_requests(worker, requests_fd: int, answers_fd: int) -> None:
+    """Rank 0's side requests, answered in order until it closes the pipe."""
+    from gpu_worker.parallel.group import read_message, write_message
+
+    with os.fdopen(requests_fd, "rb") as requests, os.fdopen(answers_fd, "wb") as answers:
+        while (message := read_message(requests)) is not None:
+            write_message(answers, *answer(worker, *message))
+
+
+def answer(worker, kind: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """(ANSWER, the bytes asked for) or (REFUSED, why)."""
+    from gpu_worker.parallel.group import ANSWER, READ_BLOCKS, REFUSED
+
+    try:
+        if worker.runner is None:
+            raise ValueError("the worker has no model yet")
+        pool = worker.runner.pool
+        if kind == READ_BLOCKS:
+            return ANSWER, pool.read_raw(list(worker_pb2.ReadBlocksRequest.FromString(payload).block_ids)).tobytes()
+        request = worker_pb2.WriteBlocksRequest.FromString(payload)
+        pool.write_raw(list(request.block_ids), numpy.frombuffer(bytearray(request.data), dtype=numpy.uint8))
+        return ANSWER, b""
+    except Exception as e:   # any failure is rank 0's to report: this thread must answer, or rank 0 waits forever
+        return REFUSED, f"tensor-parallel rank: {e}".encode()
 
 
 if __name__ == "__main__":

@@ -18,12 +18,17 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
 
+from protos import worker_pb2
+
 log = logging.getLogger(__name__)
-INIT, STEP, LOAD_ADAPTER = b"I", b"S", b"L"
+INIT, STEP, LOAD_ADAPTER = b"I", b"S", b"L"            # down a follower's standard input, in step order
+READ_BLOCKS, WRITE_BLOCKS = b"R", b"W"                 # down its side pipe, beside the steps
+ANSWER, REFUSED = b"A", b"E"                           # up its side pipe: the answer, or why there is none
 HEADER = struct.Struct("<cI")   # message kind, payload length
 
 
@@ -89,10 +94,27 @@ class TensorParallel:
 
 
 @dataclass
+class SidePipes:
+    """Rank 0's ends of a follower's second pair of pipes: for what rank 0 asks it beside the steps (KV blocks out
+    and in), which must not wait behind the steps queued on its standard input, and the follower's answers."""
+    requests: BinaryIO
+    answers: BinaryIO
+
+    @classmethod
+    def open(cls) -> tuple[SidePipes, tuple[int, int]]:
+        """Rank 0's ends, and the follower's (the requests' read end, the answers' write end) to hand it."""
+        request_read, request_write = os.pipe()
+        answer_read, answer_write = os.pipe()
+        return cls(os.fdopen(request_write, "wb"), os.fdopen(answer_read, "rb")), (request_read, answer_write)
+
+
+@dataclass
 class Followers:
     """Rank 0's ranks 1..N-1: their processes and the pipes rank 0 forwards its requests down."""
     group: TensorParallel
     processes: list[subprocess.Popen] = field(default_factory=list)
+    side_pipes: list[SidePipes] = field(default_factory=list)
+    side_lock: threading.Lock = field(default_factory=threading.Lock)   # one side request at a time
     stopped: threading.Event = field(default_factory=threading.Event)
     exit_with_group: bool = False   # a follower's death ends this process
     forward_seconds: float = 0.0    # spent handing requests down the pipes (what "rank 0 forwards" costs)
@@ -110,11 +132,18 @@ class Followers:
         if device_type == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-        processes = [subprocess.Popen([sys.executable, "-m", "gpu_worker.parallel.follower", "--rank", str(rank),
-                                       "--size", str(size), "--init-method", init_method, "--device", device_type,
-                                       "--parent-pid", str(os.getpid())], stdin=subprocess.PIPE, env=env)
-                     for rank in range(1, size)]
-        followers = cls(TensorParallel.join(0, size, init_method, device_type), processes,
+        side_pipes, processes = [], []
+        for rank in range(1, size):
+            pipes, ends = SidePipes.open()
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "gpu_worker.parallel.follower", "--rank", str(rank), "--size", str(size),
+                 "--init-method", init_method, "--device", device_type, "--parent-pid", str(os.getpid()),
+                 "--side-requests", str(ends[0]), "--side-answers", str(ends[1])],
+                stdin=subprocess.PIPE, env=env, pass_fds=ends))
+            side_pipes.append(pipes)
+            for end in ends:
+                os.close(end)
+        followers = cls(TensorParallel.join(0, size, init_method, device_type), processes, side_pipes,
                         exit_with_group=exit_with_group, threads_before=threads_before)
         threading.Thread(target=followers.watch, daemon=True, name="tp-followers").start()
         log.info("tensor parallel: %d ranks (%s)", size, dist.get_backend())
@@ -124,24 +153,50 @@ class Followers:
     def stop(self) -> None:
         """End the followers (the end of their input) and this process's part in the group."""
         self.stopped.set()
-        for process in self.processes:
+        for process, pipes in zip(self.processes, self.side_pipes):
             process.stdin.close()
-        for process in self.processes:
+            pipes.requests.close()
+        for process, pipes in zip(self.processes, self.side_pipes):
             process.wait()
+            pipes.answers.close()
         dist.destroy_process_group()
         torch.set_num_threads(self.threads_before)
 
     def send(self, kind: bytes, message) -> None:
         started = time.perf_counter()
         payload = message.SerializeToString()
-        frame = HEADER.pack(kind, len(payload)) + payload
         try:
             for process in self.processes:
-                process.stdin.write(frame)
-                process.stdin.flush()
+                write_message(process.stdin, kind, payload)
         except BrokenPipeError:
             raise RuntimeError("a tensor-parallel rank has exited: the group cannot step") from None
         self.forward_seconds += time.perf_counter() - started
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each follower's share of the KV blocks (its pool's KVPool.read_raw), in rank order."""
+        request = worker_pb2.ReadBlocksRequest(block_ids=block_ids)
+        return self.ask([(READ_BLOCKS, request)] * len(self.side_pipes))
+
+    def write_blocks(self, block_ids: list[int], shares: list[bytes]) -> None:
+        """Each follower's share (read_blocks's, of another group) into its pool's blocks, in rank order."""
+        self.ask([(WRITE_BLOCKS, worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=share))
+                  for share in shares])
+
+    def ask(self, requests: list[tuple[bytes, object]]) -> list[bytes]:
+        """Each follower's answer to its request over the side pipes; ValueError where one refused or has exited."""
+        with self.side_lock:
+            try:
+                for pipes, (kind, message) in zip(self.side_pipes, requests):
+                    write_message(pipes.requests, kind, message.SerializeToString())
+                answers = [read_message(pipes.answers) for pipes in self.side_pipes]
+            except (BrokenPipeError, ValueError):   # ValueError: stop() closed the pipes meanwhile
+                answers = [None]
+        if any(answer is None for answer in answers):
+            raise ValueError("a tensor-parallel rank has exited")
+        refusals = [payload.decode() for kind, payload in answers if kind == REFUSED]
+        if refusals:
+            raise ValueError(refusals[0])
+        return [payload for _, payload in answers]
 
     def watch(self) -> None:
         """A follower that exits leaves the group unable to step: end rank 0 too, so that the scheduler
@@ -159,8 +214,13 @@ class Followers:
 current: Followers | None = None   # this process's group, where it is rank 0
 
 
+def write_message(stream, kind: bytes, payload: bytes) -> None:
+    stream.write(HEADER.pack(kind, len(payload)) + payload)
+    stream.flush()
+
+
 def read_message(stream) -> tuple[bytes, bytes] | None:
-    """The next (kind, payload) rank 0 sent; None at the end of the stream (rank 0 is gone)."""
+    """The next (kind, payload) on a pipe; None at its end (the other side is gone)."""
     header = stream.read(HEADER.size)
     if len(header) < HEADER.size:
         return None

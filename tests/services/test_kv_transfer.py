@@ -117,7 +117,7 @@ def test_a_peer_on_another_host_gets_the_blocks_in_the_stream(stack, tiny_llama_
     hashes = hash_blocks(prompt, BLOCK, model_name)
     layout = scheduler_pb2.KvLayout(model_name=model_name, dtype="float32", block_size=BLOCK, num_layers=2,
                                     num_kv_heads=2, head_dim=16, tensor_parallel_size=1,
-                                    hash_root=root_hash(model_name))
+                                    hash_root=root_hash(model_name), block_bytes=8192)
     request = scheduler_pb2.FetchBlocksRequest(block_hashes=hashes + [12345], layout=layout)
     chunks = list(stub(stack, 0).FetchBlocks(request, metadata=token_metadata(stack.cluster_token), timeout=10))
     assert [h for c in chunks for h in c.block_hashes] == hashes             # 3 full blocks; the made-up one not
