@@ -3,7 +3,8 @@
 prompt of --prompt-len tokens (one token out), then scheduler B serves the same prompt told to pull its prefix
 from A (ScheduleRequest.kv_source), and another fresh prompt of the same length that it must compute whole.
 Reports each one's time to first token (median over --rounds), their ratio, and the pull's bytes per second from
-B's counters. Both schedulers get every core: only one computes at a time."""
+B's counters. Both schedulers get every core: only one computes at a time. With --tensor-parallel-size N each
+scheduler's worker is a group of N ranks, and a block travels as every rank's share."""
 from __future__ import annotations
 
 import os
@@ -29,10 +30,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_scheduler(directory: str, dtype: str, name: str) -> tuple[subprocess.Popen, str]:
+def start_scheduler(directory: str, dtype: str, name: str, tensor_parallel_size: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "scheduler", "--port", str(port), "--scheduler-id", name,
-                                "--model", directory, "--dtype", dtype, "--max-model-len", "4096"],
+                                "--model", directory, "--dtype", dtype, "--max-model-len", "4096",
+                                "--tensor-parallel-size", str(tensor_parallel_size)],
                                env={**os.environ, "FERRY_LOG_LEVEL": "WARNING"})
     address = f"127.0.0.1:{port}"
     wait_until_serving(address, lambda: None if process.poll() is None else "the scheduler exited", 300)
@@ -57,12 +59,13 @@ def time_to_first_token(stub, prompt: list[int], request_id: str,
     return seconds
 
 
-def measure(directory: str, dtype: str, prompt_len: int = 2048, rounds: int = 3) -> dict:
+def measure(directory: str, dtype: str, prompt_len: int = 2048, rounds: int = 3, tensor_parallel_size: int = 1
+            ) -> dict:
     vocab_size = AutoConfig.from_pretrained(directory).vocab_size
     generator = torch.Generator().manual_seed(0)
     fresh = lambda: torch.randint(10, vocab_size - 10, (prompt_len,), generator=generator).tolist()  # noqa: E731
-    holder, holder_address = start_scheduler(directory, dtype, "holder")
-    puller, puller_address = start_scheduler(directory, dtype, "puller")
+    holder, holder_address = start_scheduler(directory, dtype, "holder", tensor_parallel_size)
+    puller, puller_address = start_scheduler(directory, dtype, "puller", tensor_parallel_size)
     try:
         a, b = (scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(addr, options=[
             ("grpc.max_receive_message_length", 1 << 28)])) for addr in (holder_address, puller_address))
@@ -84,10 +87,12 @@ def measure(directory: str, dtype: str, prompt_len: int = 2048, rounds: int = 3)
             process.wait(30)
     ttft_pulled, ttft_recomputed = statistics.median(pulled), statistics.median(recomputed)
     return {"machine": machine(), "dtype": dtype, "prompt_len": prompt_len, "rounds": rounds,
+            "tensor_parallel_size": tensor_parallel_size,
             "ttft_pulled_s": round(ttft_pulled, 4), "ttft_recomputed_s": round(ttft_recomputed, 4),
             "ttft_holder_computing_s": round(statistics.median(computed_by_holder), 4),
             "recomputed_over_pulled": round(ttft_recomputed / ttft_pulled, 2),
-            "pulled_blocks": stats.kv_pulled_blocks, "pulled_mib": round(stats.kv_pulled_bytes / (1 << 20), 1),
+            "pulled_blocks": stats.kv_pulled_blocks, "pulled_bytes": stats.kv_pulled_bytes,
+            "pulled_mib": round(stats.kv_pulled_bytes / (1 << 20), 1),
             "pull_seconds": round(stats.kv_pull_seconds, 4),
             "pull_mib_per_s": round(stats.kv_pulled_bytes / (1 << 20) / stats.kv_pull_seconds, 1),
             "pull_failures": stats.kv_pull_failures}
@@ -98,6 +103,8 @@ def main(argv: list[str]) -> int:
     add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks in each scheduler's worker group")
     args = parser.parse_args(argv)
-    report(args, measure(model_dir(args), concrete_dtype(args.dtype), args.prompt_len, args.rounds))
+    report(args, measure(model_dir(args), concrete_dtype(args.dtype), args.prompt_len, args.rounds,
+                         args.tensor_parallel_size))
     return 0

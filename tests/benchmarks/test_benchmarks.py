@@ -256,3 +256,12 @@ def test_tp_bench_measures_collectives_and_each_ranks_weights(tiny_llama_dir):
     assert two["prefill"]["forward_ms_per_step"] > 0
     whole, ranks = result["memory"]["1"]["rank_weight_bytes"], result["memory"]["2"]["rank_weight_bytes"]
     assert len(whole) == 1 and len(ranks) == 2 and all(rank < 0.6 * whole[0] for rank in ranks)
+
+
+def test_kv_pull_bench_pulls_every_ranks_share_between_tensor_parallel_groups(tiny_llama_dir):
+    result = run_bench("kv-pull", "--model", str(tiny_llama_dir), "--dtype", "float32", "--prompt-len", "49",
+                       "--rounds", "1", "--tensor-parallel-size", "2")
+    rank_block_bytes = 2 * 2 * 1 * 16 * 16 * 4   # 2 layers, K and V, 1 of 2 KV heads, 16 tokens, 16 dims, fp32
+    assert result["pulled_blocks"] == 3 and result["pull_failures"] == 0
+    assert result["pulled_bytes"] == 3 * 2 * rank_block_bytes   # both ranks' shares
+    assert result["ttft_pulled_s"] > 0 and result["ttft_recomputed_s"] > 0
