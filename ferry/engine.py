@@ -9,7 +9,7 @@ from typing import Protocol
 from base.config import EngineConfig, init_request, lora_module
 from base.prompt_checks import check_token_ids
 from base.sampling_params import SamplingParams
-from protos import scheduler_pb2, worker_pb2
+from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.common_pb2 import TokenLogprob
 from scheduler.baselines import scheduler_for
 from scheduler.core import RequestOutput
@@ -50,7 +50,7 @@ class StepWorker(Protocol):
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResult: ...
 
-    def load_adapter(self, req: worker_pb2.LoadAdapterRequest) -> worker_pb2.LoadAdapterResponse: ...
+    def load_adapter(self, req: common_pb2.LoraAdapterRequest) -> worker_pb2.LoadAdapterResponse: ...
 
 
 class Engine:
@@ -87,7 +87,7 @@ class Engine:
         """Load a PEFT adapter that requests may then name; ValueError saying why it does not fit."""
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora")
-        response = self.worker.load_adapter(worker_pb2.LoadAdapterRequest(name=name, path=path))
+        response = self.worker.load_adapter(common_pb2.LoraAdapterRequest(name=name, path=path))
         self.scheduler.lora.loaded[name] = path
         return response
 

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from base.grpc_options import GRPC_OPTIONS
 from base.telemetry import TRACING_OFF, Tracing, links_to, setup_tracing
 from gpu_worker.fault import crash_if_poisoned, poison_token
-from protos import worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 STEP_ORDER_WAIT_S = 5.0
@@ -52,7 +52,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.health.set("ferry.Worker", health_pb2.HealthCheckResponse.SERVING)
         return response
 
-    def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
+    def LoadAdapter(self, request: common_pb2.LoraAdapterRequest, context: grpc.ServicerContext
                     ) -> worker_pb2.LoadAdapterResponse:
         """On the compute thread, between two steps: a step reads the adapters loaded."""
         try:

@@ -24,7 +24,7 @@ from gpu_worker.models import model_class
 from gpu_worker.parallel.group import INIT, LOAD_ADAPTER, STEP, Followers, TensorParallel
 from gpu_worker.parallel.sharding import ShardedCheckpoint, check_shardable, shard_model, shard_shape
 from kernels import cpu_decode, cpu_layers, select_backend
-from protos import worker_pb2
+from protos import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -256,7 +256,7 @@ class Worker:
         model.load_rope(hf_config, max_model_len, device)
         return model
 
-    def load_adapter(self, req: worker_pb2.LoadAdapterRequest) -> worker_pb2.LoadAdapterResponse:
+    def load_adapter(self, req: common_pb2.LoraAdapterRequest) -> worker_pb2.LoadAdapterResponse:
         """ValueError (gpu_worker.lora.peft_adapter.AdapterRefused) naming what does not fit."""
         if self.runner is None or self.runner.adapters is None:
             raise ValueError("LoRA is off: start with --enable-lora")

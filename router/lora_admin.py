@@ -10,7 +10,7 @@ import logging
 import grpc
 
 from base.errors import StatusError
-from protos import scheduler_pb2, scheduler_pb2_grpc
+from protos import common_pb2, scheduler_pb2_grpc
 from protos.registration import SchedulerInfo
 from router.discovery import SchedulerDirectory
 
@@ -49,7 +49,7 @@ class LoraAdmin:
         schedulers = self.directory.schedulers()
         if not schedulers:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
-        request = scheduler_pb2.LoraAdapterRequest(name=name, path=path)
+        request = common_pb2.LoraAdapterRequest(name=name, path=path)
 
         async def call(info: SchedulerInfo):
             stub = scheduler_pb2_grpc.SchedulerStub(self.directory.channel(info.address))

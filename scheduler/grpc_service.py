@@ -168,7 +168,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             connection.close()
 
-    async def LoadLoraAdapter(self, request: scheduler_pb2.LoraAdapterRequest, context: grpc.aio.ServicerContext
+    async def LoadLoraAdapter(self, request: common_pb2.LoraAdapterRequest, context: grpc.aio.ServicerContext
                               ) -> scheduler_pb2.LoraAdapterResponse:
         try:
             loaded = await self.loop.load_adapter(request.name, request.path)
@@ -176,7 +176,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(e.code, e.message)
         return scheduler_pb2.LoraAdapterResponse(name=request.name, rank=loaded.rank)
 
-    async def UnloadLoraAdapter(self, request: scheduler_pb2.LoraAdapterRequest, context: grpc.aio.ServicerContext
+    async def UnloadLoraAdapter(self, request: common_pb2.LoraAdapterRequest, context: grpc.aio.ServicerContext
                                 ) -> scheduler_pb2.LoraAdapterResponse:
         try:
             self.loop.unload_adapter(request.name)

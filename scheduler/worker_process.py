@@ -15,7 +15,7 @@ from base.config import EngineConfig, init_request
 from base.errors import StatusError
 from base.grpc_options import GRPC_OPTIONS
 from base.health import NotServing, wait_until_serving
-from protos import worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 
 WORKER_START_TIMEOUT_S = 300.0
 
@@ -71,7 +71,7 @@ class WorkerProcess:
     async def load_adapter(self, name: str, path: str) -> worker_pb2.LoadAdapterResponse:
         """StatusError INVALID_ARGUMENT with the worker's reason when it refuses the adapter."""
         try:
-            return await self.stub.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=path))
+            return await self.stub.LoadAdapter(common_pb2.LoraAdapterRequest(name=name, path=path))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, e.details()) from e

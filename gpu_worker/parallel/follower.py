@@ -13,7 +13,7 @@ import threading
 
 import numpy
 
-from protos import worker_pb2
+from protos import common_pb2, worker_pb2
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
         if kind == INIT:
             worker.init(worker_pb2.InitRequest.FromString(payload))
         elif kind == LOAD_ADAPTER:   # rank 0 read it first: what it accepted, this rank reads too
-            worker.load_adapter(worker_pb2.LoadAdapterRequest.FromString(payload))
+            worker.load_adapter(common_pb2.LoraAdapterRequest.FromString(payload))
         else:
             worker.step(worker_pb2.StepRequest.FromString(payload))
 
