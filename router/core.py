@@ -175,7 +175,8 @@ class Router:
                                                                    params.include_stop_str_in_output))
                                 for _ in range(params.n)],
                                stream_interval=request.stream_interval or self.stream_interval,
-                               scored_prompt=prompt_ids if params.prompt_logprobs is not None else None)
+                               scored_prompt=prompt_ids if params.prompt_logprobs is not None else None,
+                               continuous_usage=request.continuous_usage)
 
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=request.sampling,   # validated (params), sent as it came

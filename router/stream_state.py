@@ -26,6 +26,7 @@ class StreamState:
     stream_interval: int = 1   # tokens per response the client asked for
     scored_prompt: list[int] | None = None   # the prompt, when it asked for prompt logprobs: sent once with them
     num_finished: int = 0   # samples finished
+    continuous_usage: bool = False   # usage on every response, not only the last
 
     @property
     def done(self) -> bool:
@@ -69,6 +70,6 @@ class StreamState:
             response.finish_reason = finish
             sample.finished = True
             self.num_finished += 1
-            if self.done:
-                response.usage.CopyFrom(self.usage())
+        if self.done or self.continuous_usage:
+            response.usage.CopyFrom(self.usage())
         return response

@@ -141,7 +141,7 @@ class OpenAIServer:
         tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
         generate_request = body.generate_request(request_id, model.route_name, max_tokens, prompt_ids)
         add_grammar(tools, generate_request.sampling)
-        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, tools=tools)
+        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage, tools=tools)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
@@ -176,7 +176,7 @@ async def completion_part(body: CompletionRequest, response_id: str, request_id:
                           ) -> tuple[router_pb2.GenerateRequest, CompletionFormat]:
     """One prompt's request, and the format of its answer (under response_id, a batch's shared id)."""
     generate_request = await completion_request(body, request_id, model)
-    fmt = CompletionFormat(response_id, model, body.logprobs is not None, body.include_usage,
+    fmt = CompletionFormat(response_id, model, body.logprobs is not None, body.include_usage, body.continuous_usage,
                            echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
                            want_prompt_logprobs=body.prompt_logprobs is not None)
     return generate_request, fmt

@@ -59,6 +59,7 @@ class ResponseFormat:
     model: ServedModel
     want_logprobs: bool
     include_usage: bool = False
+    continuous_usage: bool = False   # usage on every chunk (each response carries the request's so far)
     usage: common_pb2.Usage | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -78,7 +79,11 @@ class ResponseFormat:
         choice = self.chunk_choice(response)
         if choice is None:
             return None
-        return self.envelope(self.chunk_object, [choice], **({"usage": None} if self.include_usage else {}))
+        if not self.include_usage:
+            return self.envelope(self.chunk_object, [choice])
+        # null but in the usage chunk at the end, unless usage on every chunk was asked for (continuous_usage_stats)
+        return self.envelope(self.chunk_object, [choice],
+                             usage=usage_json(response.usage) if self.continuous_usage else None)
 
     def usage_chunk(self) -> dict[str, Any]:
         return self.envelope(self.chunk_object, [], usage=usage_json(self.usage))

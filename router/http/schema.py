@@ -50,6 +50,7 @@ PlainSamplingFields = create_model("PlainSamplingFields", **{name: http_field(na
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: usage on every chunk too (with include_usage)
 
 
 class SamplingRequest(PlainSamplingFields):
@@ -78,6 +79,10 @@ class SamplingRequest(PlainSamplingFields):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
     def num_samples(self) -> int:
         return self.n if self.n is not None else 1
 
@@ -92,6 +97,12 @@ class SamplingRequest(PlainSamplingFields):
             params.logprobs = logprobs
         add_constraints(params, self)
         return params
+
+    def envelope(self, request_id: str, model: str, sampling: common_pb2.SamplingParams) -> router_pb2.GenerateRequest:
+        """The GenerateRequest of these sampling parameters, but for its prompt."""
+        return router_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling,
+                                          stream_interval=self.stream_interval or 0, priority=self.priority or 0,
+                                          continuous_usage=self.continuous_usage)
 
 
 class CompletionRequest(SamplingRequest):
@@ -149,9 +160,7 @@ class CompletionRequest(SamplingRequest):
     def generate_request(self, request_id: str, model: str, tokenizer: RouterTokenizer) -> router_pb2.GenerateRequest:
         """ValueError if a suffix is given and the model has no fill-in-the-middle tokens."""
         max_tokens = 1 if self.prompt_only else self.max_tokens   # its one token is dropped from the response
-        request = router_pb2.GenerateRequest(request_id=request_id, model=model,
-                                             sampling=self.sampling(max_tokens, self.logprobs),
-                                             stream_interval=self.stream_interval or 0, priority=self.priority or 0)
+        request = self.envelope(request_id, model, self.sampling(max_tokens, self.logprobs))
         if self.prompt_top_logprobs is not None:
             request.sampling.prompt_logprobs = self.prompt_top_logprobs
         prompt = fim_prompt(self.single_prompt, self.suffix, tokenizer) if self.suffix else self.single_prompt
@@ -271,9 +280,7 @@ class ChatCompletionRequest(SamplingRequest):
                          prompt_ids: list[int] | None = None) -> router_pb2.GenerateRequest:
         """The chat for the router to render, or its prompt's ids where they are known already."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        request = router_pb2.GenerateRequest(request_id=request_id, model=model,
-                                             sampling=self.sampling(max_tokens, logprobs),
-                                             stream_interval=self.stream_interval or 0, priority=self.priority or 0)
+        request = self.envelope(request_id, model, self.sampling(max_tokens, logprobs))
         if prompt_ids is None:
             request.chat.CopyFrom(self.chat())
         else:

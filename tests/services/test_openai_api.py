@@ -74,6 +74,21 @@ def test_streamed_completion_deltas_concatenate_to_the_non_streamed_text_for_the
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack, reference):
+    messages = [{"role": "user", "content": "Count to ten."}]
+    args = dict(model=stack.model, messages=messages, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stack.client().chat.completions.create(
+        **args, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    prompt_tokens = len(reference.chat_ids(messages))
+    tokens = [c for c in chunks[1:] if c.choices]   # past the role's opening chunk, sent before any token
+    counts = [c.usage.completion_tokens for c in tokens]
+    assert all(c.usage.prompt_tokens == prompt_tokens for c in tokens)
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in tokens)
+    without = list(stack.client().chat.completions.create(**args, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in without)   # as vLLM: only with include_usage
+
+
 def test_streamed_chat_deltas_concatenate_to_the_non_streamed_message_for_the_same_seed(stack):
     args = dict(model=stack.model, messages=[{"role": "user", "content": "Tell me about Berlin."}],
                 max_completion_tokens=32, temperature=0.8, top_p=0.9, seed=7)

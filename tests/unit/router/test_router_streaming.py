@@ -85,3 +85,25 @@ def test_a_stop_string_inside_merged_tokens_ends_the_sample_at_the_token_that_co
     assert list(response.token_ids) == [0, 1, 2, 3] and len(response.logprobs) == 4
     assert response.finish_reason == common_pb2.FINISH_REASON_STOP
     assert response.usage.completion_tokens == 4
+
+
+def test_continuous_usage_puts_the_requests_usage_so_far_on_every_response():
+    from protos import scheduler_pb2
+    from router.core import SampleState, StreamState
+    from router.detokenizer import IncrementalDetokenizer
+
+    def letters(ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    def state(continuous: bool) -> StreamState:
+        return StreamState("r", 5, [SampleState(IncrementalDetokenizer(letters, ())) for _ in range(2)],
+                           continuous_usage=continuous)
+
+    steps = [scheduler_pb2.ScheduleResponse(index=0, token_ids=[1, 2]),
+             scheduler_pb2.ScheduleResponse(index=1, token_ids=[3]),
+             scheduler_pb2.ScheduleResponse(index=0, token_ids=[4], finish_reason=common_pb2.FINISH_REASON_LENGTH),
+             scheduler_pb2.ScheduleResponse(index=1, token_ids=[5], finish_reason=common_pb2.FINISH_REASON_LENGTH)]
+    continuous, last_only = state(True), state(False)
+    assert [continuous.on_response(s).usage.completion_tokens for s in steps] == [2, 3, 4, 5]
+    assert all(r.usage.prompt_tokens == 5 for r in map(state(True).on_response, steps))
+    assert [last_only.on_response(s).HasField("usage") for s in steps] == [False, False, False, True]
