@@ -44,6 +44,7 @@ from router.upstream import SchedulerConnection, UpstreamError
 
 JOIN_WAIT_S = 2.0     # how long a failed request looks for a scheduler it has not tried before it fails
 JOIN_POLL_S = 0.1
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class RequestError(StatusError):
@@ -146,6 +147,7 @@ class Router:
         """Validate and tokenize; admit it under its key's limits (`lease`), charging its prompt, and its tenant's
         (`ticket`); rank the schedulers; the request's responses from the one that takes it."""
         params = parse_sampling(request)
+        check_cache_salt(request.cache_salt)
         candidates = self.candidates(request.model)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
@@ -157,7 +159,7 @@ class Router:
         admit_tenant(ticket, len(prompt_ids))
         adapter = requested_adapter(request.model, candidates[0])
         hashes = hash_blocks(prompt_ids, candidates[0].block_size or 16, candidates[0].model, candidates[0].hash_seed,
-                             adapter=adapter)
+                             adapter=adapter, salt=request.cache_salt)
         request_id = request.request_id or uuid.uuid4().hex
         routing = RoutingInput(prompt_ids, hashes, dict(self.pending),
                                await self.directory.prefix_matches(candidates[0].model, hashes),
@@ -181,7 +183,8 @@ class Router:
         upstream = scheduler_pb2.ScheduleRequest(request_id=request_id, prompt_token_ids=prompt_ids,
                                                  sampling=request.sampling,   # validated (params), sent as it came
                                                  tenant=ticket.tenant.name, priority=request.priority,
-                                                 tenant_weight=ticket.tenant.policy.weight, lora_name=adapter)
+                                                 tenant_weight=ticket.tenant.policy.weight, lora_name=adapter,
+                                                 cache_salt=request.cache_salt)
         observed.routed(request_id, policy_name(self.policy), len(prompt_ids),
                         plan.targets, routing.matched_blocks, len(hashes), plan.skipped)
         if disaggregated:
@@ -435,6 +438,12 @@ def decoder(tokenizer: RouterTokenizer, params: SamplingParams) -> Callable[[lis
     if params.skip_special_tokens:
         return tokenizer.decode
     return functools.partial(tokenizer.decode, skip_special_tokens=False)
+
+
+def check_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} "
+                           f"characters, got {len(salt)}", param="cache_salt")
 
 
 def check_prompt(prompt_ids: list[int], params: SamplingParams, target: SchedulerInfo) -> None:

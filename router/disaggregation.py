@@ -45,13 +45,13 @@ def rank_prefill(schedulers: Sequence[SchedulerInfo], request: RoutingInput, in_
 
 
 def prefill_request(upstream: scheduler_pb2.ScheduleRequest) -> scheduler_pb2.ScheduleRequest:
-    """The request as its prefill scheduler runs it: its prompt (and adapter, tenant and priority), one greedy
-    token out."""
+    """The request as its prefill scheduler runs it: its prompt (and adapter, cache salt, tenant and priority), one
+    greedy token out."""
     return scheduler_pb2.ScheduleRequest(
         request_id=upstream.request_id + PREFILL_SUFFIX, prompt_token_ids=upstream.prompt_token_ids,
         sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
         tenant=upstream.tenant, priority=upstream.priority, tenant_weight=upstream.tenant_weight,
-        lora_name=upstream.lora_name)
+        lora_name=upstream.lora_name, cache_salt=upstream.cache_salt)
 
 
 async def prefill(targets: Sequence[SchedulerInfo], upstream: scheduler_pb2.ScheduleRequest, block_size: int,

@@ -142,7 +142,9 @@ class Scheduler:
         self.waiting.insert(index, seq)
 
     def new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        hash_root = root_hash(self.model_name, self.config.hash_seed, request.lora_name) if request.lora_name else None
+        salt = request.tenancy.cache_salt
+        hash_root = (root_hash(self.model_name, self.config.hash_seed, request.lora_name, salt)
+                     if request.lora_name or salt else None)
         return Sequence(f"{request.request_id}/{index}", request.request_id, index, token_ids,
                         len(request.prompt_token_ids), request.params, next(self.arrivals), request.tenancy,
                         request.arrival_step, lora_name=request.lora_name, hash_root=hash_root)

@@ -53,7 +53,7 @@ def admit(loop: EngineLoop, request_id: str, request: scheduler_pb2.ScheduleRequ
         params = SamplingParams.from_proto(request.sampling)
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)   # its own: a part of the request would keep all of it (the prompt) alive
-        tenancy = Tenancy(request.tenant, request.priority, request.tenant_weight or 1.0)
+        tenancy = Tenancy(request.tenant, request.priority, request.tenant_weight or 1.0, request.cache_salt)
         return loop.add_request(request_id, list(request.prompt_token_ids), params, outputs, trace_parent,
                                 list(request.resumed_token_ids), sampling, tenancy, request.lora_name,
                                 request.kv_source if request.HasField("kv_source") else None)

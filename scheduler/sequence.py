@@ -11,10 +11,12 @@ from protos import common_pb2
 @dataclass(frozen=True)
 class Tenancy:
     """Whose a request is and how urgent: its tenant, that tenant's weight in fair sharing, and its priority (lower
-    first, as vLLM's). The router sets them; a request without them is the default tenant's, at priority 0."""
+    first, as vLLM's); and the cache salt its prefix blocks hash with (they are found only by requests of the same
+    salt). The router sets them; a request without them is the default tenant's, at priority 0, unsalted."""
     tenant: str = ""
     priority: int = 0
     weight: float = 1.0
+    cache_salt: str = ""
 
 
 DEFAULT_TENANCY = Tenancy()
@@ -52,7 +54,7 @@ class Sequence:
     num_pending_tokens: int = 0                    # positions a step in flight samples or verifies, not yet known
     num_charged_tokens: int = 0                    # positions its tenant was charged for (a recompute is not)
     lora_name: str = ""                            # the LoRA adapter it runs with ("": the base model)
-    hash_root: int | None = None                   # its block hash chain's root where not the model's (an adapter's)
+    hash_root: int | None = None                   # its block hash chain's root where not the model's (adapter, salt)
 
     @property
     def num_tokens(self) -> int:

@@ -73,6 +73,7 @@ class SamplingRequest(PlainSamplingFields):
     tools: list[dict[str, Any]] | None = None
     stream_interval: UINT32 | None = None   # tokens per streamed chunk; unset: the router's --stream-interval
     priority: INT32 | None = None           # vLLM's: lower is served first (--scheduling-policy priority or fair)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None   # vLLM's: prefix KV shared only within one salt
 
     @property
     def include_usage(self) -> bool:
@@ -102,7 +103,7 @@ class SamplingRequest(PlainSamplingFields):
         """The GenerateRequest of these sampling parameters, but for its prompt."""
         return router_pb2.GenerateRequest(request_id=request_id, model=model, sampling=sampling,
                                           stream_interval=self.stream_interval or 0, priority=self.priority or 0,
-                                          continuous_usage=self.continuous_usage)
+                                          continuous_usage=self.continuous_usage, cache_salt=self.cache_salt or "")
 
 
 class CompletionRequest(SamplingRequest):

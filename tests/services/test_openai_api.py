@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from protos import common_pb2, router_pb2
@@ -87,6 +88,22 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(stack, refer
     assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in tokens)
     without = list(stack.client().chat.completions.create(**args, stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is None for c in without)   # as vLLM: only with include_usage
+
+
+def test_a_cache_salt_shares_a_prompts_kv_only_with_requests_of_the_same_salt(stack, reference):
+    vocab_size = reference.model.config.vocab_size
+    prompt = [int(t) for t in torch.randint(10, vocab_size, (80,), generator=torch.Generator().manual_seed(41))]
+    want_ids, _ = reference.greedy(prompt, 4)
+
+    def cached_tokens(salt: str | None) -> int:
+        result = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=4, temperature=0,
+                                                   extra_body={"cache_salt": salt} if salt else None)
+        assert result.choices[0].text == reference.decode(want_ids)
+        return result.usage.prompt_tokens_details.cached_tokens
+
+    full_blocks = (len(prompt) - 1) // 16 * 16   # the last prompt token is always computed
+    assert [cached_tokens(salt) for salt in ("tenant-a", "tenant-a", "tenant-b", None, None, "tenant-b")] == \
+        [0, full_blocks, 0, 0, full_blocks, full_blocks]
 
 
 def test_streamed_chat_deltas_concatenate_to_the_non_streamed_message_for_the_same_seed(stack):

@@ -51,6 +51,8 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
      ["json_schema"], "response_format"),
     ("/completions", {"prompt": "hi", "logit_bias": {"fifty": 10}}, ["logit_bias"], "logit_bias"),
     ("/completions", {"prompt": "hi", "suffix": "x"}, ["fill-in-the-middle"], "suffix"),
+    ("/completions", {"prompt": "hi", "cache_salt": ""}, ["cache_salt"], "cache_salt"),
+    ("/completions", {"prompt": "hi", "cache_salt": "s" * 1025}, ["cache_salt", "1024"], "cache_salt"),
 ])
 def test_bad_input_is_400_naming_the_problem(stack, path, body, words, param):
     error = assert_error(stack.post(path, body), 400, *words)
