@@ -40,6 +40,9 @@ class RouterOptions:
     max_concurrent_requests: int = option(4096, "streams in flight; more get RESOURCE_EXHAUSTED / HTTP 429")
     stream_interval: int = option(1, "tokens per streamed message for requests that do not set their own "
                                      "(`stream_interval`): fewer messages, less CPU a token, tokens in bursts")
+    enable_force_include_usage: bool = option(False, "every HTTP stream carries its usage on each chunk and in a "
+                                                     "last chunk, as if it asked (vLLM's flag)",
+                                              switch_on="--enable-force-include-usage")
     max_request_bytes: int = option(MAX_REQUEST_BYTES, "largest HTTP body (larger: 413) or gRPC message accepted")
     drain_timeout: float = option(DRAIN_TIMEOUT_S, "on SIGTERM, seconds in-flight streams get to finish")
     scheduler_keepalive: float = option(10.0, "a scheduler silent this many seconds is pinged; still silent after "

@@ -5,7 +5,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -20,7 +20,8 @@ from router.http.errors import APIError, api_error, install_error_handlers, reje
 from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
 from router.http.schema import (
-    ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest,
+    ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, SamplingRequest, StreamOptions,
+    UnloadLoraAdapterRequest,
 )
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.prompt_batches import all_started, batch_sse_events, merged_body
@@ -34,6 +35,7 @@ from router.tenants import TENANT_HEADER
 
 # (request, *, hold=False, api_key="", tenant_header="")
 GenerateFn = Callable[..., AsyncIterator[router_pb2.GenerateResponse]]
+Generation = TypeVar("Generation", bound=SamplingRequest)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class OpenAIServer:
     tool_call_parser: str = ""     # "auto" tool choice's format; "": told by each model's chat template
     body_timeout: float = BODY_TIMEOUT_S
     lora_admin: LoraAdmin | None = None   # run-time LoRA loads (None: the routes answer 404)
+    force_include_usage: bool = False     # streams carry usage on every chunk and at the end, asked or not
 
     def model(self, name: str) -> ServedModel:
         served = self.models()
@@ -117,7 +120,7 @@ class OpenAIServer:
         return self.lora_admin
 
     async def completions(self, request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, self.max_request_bytes, self.body_timeout)
+        body = await self.generation_body(request, CompletionRequest)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -128,8 +131,14 @@ class OpenAIServer:
         generate_request, fmt = await completion_part(body, request_id, request_id, model)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
+    async def generation_body(self, request: Request, schema: type[Generation]) -> Generation:
+        body = await parse_body(request, schema, self.max_request_bytes, self.body_timeout)
+        if self.force_include_usage and body.stream:
+            body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
+        return body
+
     async def chat_completions(self, request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, self.max_request_bytes, self.body_timeout)
+        body = await self.generation_body(request, ChatCompletionRequest)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -217,9 +226,11 @@ def check_length(field: str, num_chars: int, max_model_len: int) -> None:
 
 def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str = "",
-               body_timeout: float = BODY_TIMEOUT_S, lora_admin: LoraAdmin | None = None) -> FastAPI:
+               body_timeout: float = BODY_TIMEOUT_S, lora_admin: LoraAdmin | None = None,
+               force_include_usage: bool = False) -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
-    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser, body_timeout, lora_admin)
+    server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser, body_timeout, lora_admin,
+                          force_include_usage)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if api_keys:

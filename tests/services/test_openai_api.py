@@ -169,6 +169,29 @@ def test_chat_without_max_tokens_is_rendered_and_tokenized_once(tokenizer_dir, m
     assert sent[0].sampling.max_tokens == 64 - len(prompt_ids)
 
 
+def test_force_include_usage_gives_every_stream_its_usage_as_if_asked(tokenizer_dir):
+    sent = []
+
+    async def generate(request, **_):
+        sent.append(request)
+        for count, finish in ((1, 0), (2, common_pb2.FINISH_REASON_LENGTH)):
+            yield router_pb2.GenerateResponse(index=0, text="ok", finish_reason=finish,
+                                              usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=count))
+
+    def streamed_usage(force: bool) -> list:
+        models = lambda: [ServedModel("tiny", "", RouterTokenizer(tokenizer_dir), max_model_len=64)]  # noqa: E731
+        app = create_app(generate, models=models, force_include_usage=force)
+        response = TestClient(app).post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert response.status_code == 200, response.text
+        return [json.loads(p).get("usage", "absent") for p in sse_payloads(response) if p != "[DONE]"]
+
+    assert streamed_usage(False) == ["absent", "absent"] and not sent[0].continuous_usage
+    forced = streamed_usage(True)
+    assert sent[1].continuous_usage
+    assert [u["completion_tokens"] for u in forced] == [1, 2, 2]   # each chunk's, then the usage chunk
+    assert all(u["prompt_tokens"] == 3 for u in forced)
+
+
 def post_root(stack, path: str, body: dict) -> httpx.Response:
     """vLLM's routes outside /v1 (/tokenize, /detokenize)."""
     return httpx.post(stack.base_url.removesuffix("/v1") + path, json=body, timeout=60,
