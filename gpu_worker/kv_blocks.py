@@ -1,9 +1,10 @@
 """A worker's KV blocks out and in, for KV transfer between schedulers (scheduler/kv_transfer.py).
 
 A block travels as every pool's share of it, one after another: this process's pool, its draft model's pool (which
-holds the same blocks), then each other tensor-parallel rank's pool (their KV heads, through the followers' side
-pipes: parallel/group.py). Blocks move only between workers of one layout (scheduler.proto's KvLayout: the same
-shares of the same sizes), so both ends cut the bytes at the same places."""
+holds the same blocks), then each other tensor-parallel rank's pool (their KV heads). Blocks move only between
+workers of one layout (scheduler.proto's KvLayout: the same shares of the same sizes), so both ends cut the bytes at
+the same places. Through a shared-memory chunk file each follower writes or reads its own share at its offset in
+the file; as bytes, the shares cross the followers' side pipes (parallel/group.py)."""
 from __future__ import annotations
 
 import os
@@ -22,41 +23,66 @@ class WorkerBlocks:
 
     @property
     def bytes_per_block(self) -> int:
-        own = sum(pool.bytes_per_block for pool in self.pools)
-        return own + self.num_followers * self.pools[0].bytes_per_block
+        return self.own_bytes_per_block + self.num_followers * self.pools[0].bytes_per_block
+
+    @property
+    def own_bytes_per_block(self) -> int:
+        return sum(pool.bytes_per_block for pool in self.pools)
 
     @property
     def num_followers(self) -> int:
         return len(self.followers.processes) if self.followers is not None else 0
 
+    def follower_offsets(self, num_blocks: int) -> list[int]:
+        """Where each follower's share of num_blocks blocks starts in the bytes."""
+        share = num_blocks * self.pools[0].bytes_per_block
+        return [num_blocks * self.own_bytes_per_block + i * share for i in range(self.num_followers)]
+
     def read(self, block_ids: list[int], shm_path: str = "") -> bytes:
         """The blocks' bytes; written to the new file shm_path instead where given (b"" returned)."""
         parts = [pool.read_raw(block_ids) for pool in self.pools]
-        if self.followers is not None:
-            parts += [numpy.frombuffer(data, dtype=numpy.uint8) for data in self.followers.read_blocks(block_ids)]
         if shm_path:
             with open(shm_path, "wb") as file:
                 for part in parts:
                     part.tofile(file)
+            if self.followers is not None:
+                self.followers.read_blocks(block_ids, shm_path, self.follower_offsets(len(block_ids)))
             return b""
+        if self.followers is not None:
+            parts += [numpy.frombuffer(data, dtype=numpy.uint8) for data in self.followers.read_blocks(block_ids)]
         return parts[0].tobytes() if len(parts) == 1 else b"".join(part.tobytes() for part in parts)
 
     def write(self, block_ids: list[int], data: bytes, shm_path: str = "") -> None:
         """read's bytes (of another worker of this layout) into these blocks, from data or the file shm_path
         (removed once read); ValueError if the size is not theirs."""
+        try:
+            raw = self.own_bytes(block_ids, data, shm_path)
+            offset = 0
+            for pool in self.pools:
+                size = len(block_ids) * pool.bytes_per_block
+                pool.write_raw(block_ids, raw[offset:offset + size])
+                offset += size
+            if self.followers is not None:
+                self.write_followers(block_ids, raw, shm_path)
+        finally:
+            if shm_path:
+                os.unlink(shm_path)
+
+    def own_bytes(self, block_ids: list[int], data: bytes, shm_path: str) -> numpy.ndarray:
+        """The bytes, but for the followers' shares where they are in a file (each reads its own); ValueError if
+        the total is not these blocks'."""
+        expected = len(block_ids) * self.bytes_per_block
+        total = os.path.getsize(shm_path) if shm_path else len(data)
+        if total != expected:
+            raise ValueError(f"KV data of {total} bytes for {len(block_ids)} blocks of {self.bytes_per_block}")
+        if not shm_path:
+            return numpy.frombuffer(bytearray(data), dtype=numpy.uint8)
+        return numpy.fromfile(shm_path, dtype=numpy.uint8, count=len(block_ids) * self.own_bytes_per_block)
+
+    def write_followers(self, block_ids: list[int], raw: numpy.ndarray, shm_path: str) -> None:
+        offsets = self.follower_offsets(len(block_ids))
         if shm_path:
-            raw = numpy.fromfile(shm_path, dtype=numpy.uint8)
-            os.unlink(shm_path)
-        else:
-            raw = numpy.frombuffer(bytearray(data), dtype=numpy.uint8)
-        if raw.size != len(block_ids) * self.bytes_per_block:
-            raise ValueError(f"KV data of {raw.size} bytes for {len(block_ids)} blocks of {self.bytes_per_block}")
-        offset = 0
-        for pool in self.pools:
-            size = len(block_ids) * pool.bytes_per_block
-            pool.write_raw(block_ids, raw[offset:offset + size])
-            offset += size
-        if self.followers is not None:
-            share = len(block_ids) * self.pools[0].bytes_per_block
-            self.followers.write_blocks(block_ids, [raw[start:start + share].tobytes()
-                                                    for start in range(offset, raw.size, share)])
+            self.followers.write_blocks(block_ids, offsets=offsets, shm_path=shm_path)
+            return
+        share = len(block_ids) * self.pools[0].bytes_per_block
+        self.followers.write_blocks(block_ids, shares=[raw[start:start + share].tobytes() for start in offsets])

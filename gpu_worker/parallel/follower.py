@@ -63,12 +63,32 @@ def answer(worker, kind: bytes, payload: bytes) -> tuple[bytes, bytes]:
             raise ValueError("the worker has no model yet")
         pool = worker.runner.pool
         if kind == READ_BLOCKS:
-            return ANSWER, pool.read_raw(list(worker_pb2.ReadBlocksRequest.FromString(payload).block_ids)).tobytes()
-        request = worker_pb2.WriteBlocksRequest.FromString(payload)
-        pool.write_raw(list(request.block_ids), numpy.frombuffer(bytearray(request.data), dtype=numpy.uint8))
+            return ANSWER, read_share(pool, worker_pb2.ReadBlocksRequest.FromString(payload))
+        write_share(pool, worker_pb2.WriteBlocksRequest.FromString(payload))
         return ANSWER, b""
     except Exception as e:   # any failure is rank 0's to report: this thread must answer, or rank 0 waits forever
         return REFUSED, f"tensor-parallel rank: {e}".encode()
+
+
+def read_share(pool, request: worker_pb2.ReadBlocksRequest) -> bytes:
+    """This rank's share of the blocks: the bytes, or b"" once written into the chunk file at its offset."""
+    raw = pool.read_raw(list(request.block_ids))
+    if not request.shm_path:
+        return raw.tobytes()
+    with open(request.shm_path, "r+b") as file:   # rank 0 made it, with its own share
+        file.seek(request.offset)
+        raw.tofile(file)
+    return b""
+
+
+def write_share(pool, request: worker_pb2.WriteBlocksRequest) -> None:
+    """This rank's share into the blocks: given, or from the chunk file at its offset (rank 0 removes the file)."""
+    if request.shm_path:
+        count = len(request.block_ids) * pool.bytes_per_block
+        raw = numpy.fromfile(request.shm_path, dtype=numpy.uint8, count=count, offset=request.offset)
+    else:
+        raw = numpy.frombuffer(bytearray(request.data), dtype=numpy.uint8)
+    pool.write_raw(list(request.block_ids), raw)
 
 
 if __name__ == "__main__":

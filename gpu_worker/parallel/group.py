@@ -172,15 +172,23 @@ class Followers:
             raise RuntimeError("a tensor-parallel rank has exited: the group cannot step") from None
         self.forward_seconds += time.perf_counter() - started
 
-    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
-        """Each follower's share of the KV blocks (its pool's KVPool.read_raw), in rank order."""
-        request = worker_pb2.ReadBlocksRequest(block_ids=block_ids)
-        return self.ask([(READ_BLOCKS, request)] * len(self.side_pipes))
+    def read_blocks(self, block_ids: list[int], shm_path: str = "", offsets: list[int] = ()) -> list[bytes]:
+        """Each follower's share of the KV blocks (its pool's KVPool.read_raw), in rank order; where shm_path is
+        given, each writes its share into that file at its offset instead (b"" answered)."""
+        return self.ask([(READ_BLOCKS, worker_pb2.ReadBlocksRequest(block_ids=block_ids, shm_path=shm_path,
+                                                                    offset=offset))
+                         for offset in offsets or [0] * len(self.side_pipes)])
 
-    def write_blocks(self, block_ids: list[int], shares: list[bytes]) -> None:
-        """Each follower's share (read_blocks's, of another group) into its pool's blocks, in rank order."""
-        self.ask([(WRITE_BLOCKS, worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=share))
-                  for share in shares])
+    def write_blocks(self, block_ids: list[int], shares: list[bytes] = (), shm_path: str = "",
+                     offsets: list[int] = ()) -> None:
+        """Each follower's share (read_blocks's, of another group) into its pool's blocks, in rank order: given, or
+        in the file shm_path at its offset (the caller removes the file)."""
+        if shm_path:
+            requests = [worker_pb2.WriteBlocksRequest(block_ids=block_ids, shm_path=shm_path, offset=offset)
+                        for offset in offsets]
+        else:
+            requests = [worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=share) for share in shares]
+        self.ask([(WRITE_BLOCKS, request) for request in requests])
 
     def ask(self, requests: list[tuple[bytes, object]]) -> list[bytes]:
         """Each follower's answer to its request over the side pipes; ValueError where one refused or has exited."""

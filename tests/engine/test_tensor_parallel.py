@@ -114,3 +114,24 @@ def test_a_draft_model_on_rank_0_alone_keeps_two_ranks_greedy_output_and_is_acce
     assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == expected
     counters = engine.scheduler.counters
     assert counters.spec_accepted_tokens > 0.95 * counters.spec_proposed_tokens > 0, counters
+
+
+def test_kv_blocks_out_and_in_carry_every_ranks_share_as_bytes_and_through_a_file(tmp_path, prompts):
+    """KV transfer's worker side (gpu_worker/kv_blocks.py) on a group of 2: the bytes of two blocks, read as bytes
+    and through a chunk file (each rank writing its share at its offset), are the same; written into other blocks
+    either way, those blocks read back as the same bytes on both ranks (a rank's share read or written wrong
+    changes them)."""
+    model_dir, _ = build_tiny_model(tmp_path, "qwen3")
+    engine = tiny_engine(model_dir, tensor_parallel_size=2)
+    engine.generate(prompts, GREEDY)
+    blocks = engine.worker.blocks
+    data = blocks.read([0, 1])
+    assert len(data) == 2 * blocks.bytes_per_block == 2 * 2 * blocks.pools[0].bytes_per_block
+    half = len(data) // 2
+    assert any(data[:half]) and any(data[half:])   # both ranks' shares hold KV
+    chunk = tmp_path / "chunk"
+    assert blocks.read([0, 1], str(chunk)) == b"" and chunk.read_bytes() == data
+    blocks.write([6, 7], data)
+    assert blocks.read([6, 7]) == data
+    blocks.write([8, 9], b"", str(chunk))
+    assert blocks.read([8, 9]) == data and not chunk.exists()
