@@ -29,6 +29,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     samples: list[SampleResult]
     prompt_logprobs: list[TokenLogprob] | None = None   # when asked: one per prompt token after the first
+    embedding: list[float] | None = None                # when asked: the prompt's (return_embedding)
 
     @property
     def token_ids(self) -> list[int]:
@@ -150,6 +151,8 @@ class Engine:
                     sample.finish_reason = out.finish_reason or sample.finish_reason
                     if out.prompt_logprobs is not None:
                         results[out.request_id].prompt_logprobs = out.prompt_logprobs
+                    if out.embedding is not None:
+                        results[out.request_id].embedding = out.embedding
         for request_id, result in results.items():
             for sample in result.samples:
                 sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=skips[request_id])

@@ -41,6 +41,7 @@ class SequenceState:
     num_computed_tokens: int = 0
     kv_present_tokens: int = 0       # positions below this are already in (shared) blocks: don't store them
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None   # gathered over the prefill; None: not asked
+    embedding: list[float] | None = None   # return_embedding: taken when the prefill ends, sent with the token
     lora_name: str = ""              # the LoRA adapter it runs with ("": the base model)
     fed_row: int = -1                # its last token is PENDING: this row of the unfinished step's sampled ids
 
@@ -286,6 +287,9 @@ class ModelRunner:
             if seq.prompt_logprobs is not None:   # the prefill is complete: they go out once
                 entry.prompt_logprobs.extend(seq.prompt_logprobs)
                 seq.prompt_logprobs = None
+            if seq.embedding is not None:
+                entry.embedding.extend(seq.embedding)
+                seq.embedding = None
 
     def register(self, req: worker_pb2.StepRequest) -> list[ScheduledChunk]:
         chunks = []
@@ -323,7 +327,8 @@ class ModelRunner:
     def replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A step of decodes only, each sampling, none gathering prompt logprobs, that a captured graph holds."""
         return (self.graphs is not None and all(c.num_tokens == 1 and c.samples and c.seq.prompt_logprobs is None
-                                                and not c.drafts for c in chunks)
+                                                and not c.drafts and not c.seq.params.return_embedding
+                                                for c in chunks)
                 and self.graphs.fits(len(chunks), max(c.end for c in chunks)))   # LoRA orders by adapter first
 
     def graph_forward(self, chunks: list[ScheduledChunk]) -> Callable[[], torch.Tensor]:
@@ -353,6 +358,7 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.follow(input_ids, positions, batch)
             self.gather_prompt_logprobs(chunks, hidden, (ends - lengths + 1).tolist())
+            self.gather_embeddings(chunks, hidden, ends.tolist())
             return self.compute_logits(hidden[logit_rows]) if logit_rows.numel() else None
         return forward
 
@@ -378,6 +384,14 @@ class ModelRunner:
                 logits = self.compute_logits(rows)
                 seq.prompt_logprobs.extend(prompt_token_logprobs(logits, seq.token_ids[start + 1:end + 1],
                                                                  seq.params.prompt_logprobs))
+
+    @staticmethod
+    def gather_embeddings(chunks: list[ScheduledChunk], hidden: torch.Tensor, last_rows: list[int]) -> None:
+        """The prompt's embedding, for the sequences that asked, from the step whose chunk ends their prompt: its
+        last position's hidden state (after the final norm), L2-normalized in fp32."""
+        for chunk, row in zip(chunks, last_rows):
+            if chunk.seq.params.return_embedding and chunk.end == chunk.seq.num_prompt_tokens:
+                chunk.seq.embedding = torch.nn.functional.normalize(hidden[row].float(), dim=-1).tolist()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden)

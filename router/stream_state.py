@@ -62,6 +62,8 @@ class StreamState:
             response.prompt_token_ids.extend(self.scored_prompt)
             response.prompt_logprobs.extend(upstream.prompt_logprobs)
             self.scored_prompt = None
+        if upstream.embedding:
+            response.embedding.extend(upstream.embedding)
         if delta.stop_string is not None:
             finish, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string
         elif upstream.HasField("stop_token_id"):

@@ -565,6 +565,8 @@ class Scheduler:
             output.new_logprobs.append(sampled.logprob)
         if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.num_output_tokens == 1:
             output.prompt_logprobs = list(sampled.prompt_logprobs)
+        if sampled.embedding:
+            output.embedding = list(sampled.embedding)
         if not request.forked and seq.status is SequenceStatus.RUNNING:   # a preempted one forks once back
             self.fork(request, seq)
         grammar_done = self.structured.is_terminated(seq.seq_id, sampled.token_id)

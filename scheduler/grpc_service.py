@@ -35,6 +35,8 @@ def to_response(out: RequestOutput, first: bool) -> scheduler_pb2.ScheduleRespon
         response.num_cached_tokens = out.num_cached_tokens
     if out.prompt_logprobs is not None:
         response.prompt_logprobs.extend(out.prompt_logprobs)
+    if out.embedding is not None:
+        response.embedding.extend(out.embedding)
     return response
 
 

@@ -17,5 +17,6 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None   # with sample 0's first token, when asked
+    embedding: list[float] | None = None    # with a sample's first token, when asked
     error: str | None = None                # the request failed (finish_reason "abort"): why
     overloaded: bool = False                # the error is the scheduler's load, not the request's: retry later

@@ -16,6 +16,7 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import unless_disconnected
+from router.http.embeddings import EmbeddingRequest, embedding_of, embeddings_body
 from router.http.errors import APIError, api_error, install_error_handlers, reject_unsupported
 from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -113,6 +114,18 @@ class OpenAIServer:
         if any(token >= vocab_size for token in body.tokens):
             raise APIError(400, f"tokens: ids must be below the vocabulary's {vocab_size}", param="tokens")
         return {"prompt": model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    async def embeddings(self, request: Request) -> JSONResponse:
+        """OpenAI's: each input's embedding (router/http/embeddings.py), in the input's order."""
+        body = await parse_body(request, EmbeddingRequest, self.max_request_bytes, self.body_timeout)
+        reject_unsupported(body.unsupported())
+        model = self.model(body.model)
+        caller = dict(api_key=getattr(request.state, "api_key", ""),
+                      tenant_header=request.headers.get(TENANT_HEADER, ""))
+        requests = body.generate_requests(f"embd-{uuid.uuid4().hex}", model.route_name)
+        work = asyncio.gather(*[embedding_of(self.generate(r, hold=True, **caller)) for r in requests])
+        results = await unless_disconnected(request, work)
+        return JSONResponse(embeddings_body(results, model.alias_of or model.name, body.encoding_format))
 
     def admin(self) -> LoraAdmin:
         if self.lora_admin is None:
@@ -241,6 +254,7 @@ def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | 
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])
+    app.add_api_route("/v1/embeddings", server.embeddings, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app

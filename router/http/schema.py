@@ -34,8 +34,9 @@ WIRE_TYPES = {FieldDescriptor.TYPE_UINT32: UINT32, FieldDescriptor.TYPE_INT32: I
 
 # The sampling fields whose HTTP name, shape or value is the API's own, declared by hand below: a negative seed,
 # stop as one string or a list, logit_bias keyed by strings, each API's logprobs, prompt_logprobs only for
-# completions, and structured output as response_format, structured_outputs or guided_*.
-OWN_FIELDS = ("seed", "stop", "logit_bias", "logprobs", "prompt_logprobs", "structured_output")
+# completions, structured output as response_format, structured_outputs or guided_*, and an embedding only for
+# /v1/embeddings (router/http/embeddings.py).
+OWN_FIELDS = ("seed", "stop", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "return_embedding")
 PLAIN_FIELDS = tuple(name for name in SAMPLING_FIELDS if name not in OWN_FIELDS)
 
 

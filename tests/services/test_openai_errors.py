@@ -52,6 +52,10 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
     ("/completions", {"prompt": "hi", "logit_bias": {"fifty": 10}}, ["logit_bias"], "logit_bias"),
     ("/completions", {"prompt": "hi", "suffix": "x"}, ["fill-in-the-middle"], "suffix"),
     ("/completions", {"prompt": "hi", "cache_salt": ""}, ["cache_salt"], "cache_salt"),
+    ("/embeddings", {"input": []}, ["input"], "input"),
+    ("/embeddings", {"input": "hi", "encoding_format": "hex"}, ["encoding_format"], "encoding_format"),
+    ("/embeddings", {"input": "hi", "dimensions": 8}, ["dimensions"], "dimensions"),
+    ("/embeddings", {"input": [1, 2, 100000]}, ["token ids"], None),
     ("/completions", {"prompt": "hi", "cache_salt": "s" * 1025}, ["cache_salt", "1024"], "cache_salt"),
 ])
 def test_bad_input_is_400_naming_the_problem(stack, path, body, words, param):

@@ -38,6 +38,8 @@ PLACES = {
                                "router/core.py", "router/prompt_length.py", "router/http/app.py"},
     "bad_words": {"base/sampling_params.py", "scheduler/bad_words.py", "scheduler/core.py",
                   "scheduler/grammar_compilation.py", "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
+    "return_embedding": {"gpu_worker/model_runner.py",            # gathers it (and keeps such rows out of graphs)
+                         "router/http/embeddings.py", "router/http/schema.py"},   # asks for it; not on completions
 }
 CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True, False], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
               dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}

@@ -1,0 +1,90 @@
+"""OpenAI's /v1/embeddings: each input runs as a request of its own that computes its prompt and returns the
+embedding with its one token (sampling.return_embedding: the last position's final hidden state, L2-normalized, as
+vLLM's LAST pooling gives a decoder model's), answered together in the input's order."""
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import numpy
+from pydantic import BaseModel, ConfigDict, Field
+
+from protos import common_pb2, router_pb2
+from router.http.errors import APIError, api_error
+from router.http.schema import INT32, MAX_BATCH_PROMPTS, UINT32
+
+NONEMPTY_TEXT = Annotated[str, Field(min_length=1)]
+NONEMPTY_IDS = Annotated[list[UINT32], Field(min_length=1)]
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    input: NONEMPTY_TEXT | Annotated[list[NONEMPTY_TEXT], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | \
+        NONEMPTY_IDS | Annotated[list[NONEMPTY_IDS], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: UINT32 | None = None
+    priority: INT32 | None = None           # vLLM's, as on completions
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.dimensions is not None:
+            return "dimensions", "dimensions is not supported: the embedding is the whole hidden state"
+        return None
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        """One prompt per embedding asked for (a list of ids is one prompt, as in OpenAI's API)."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return [self.input]
+        return list(self.input)
+
+    def generate_requests(self, request_id: str, model: str) -> list[router_pb2.GenerateRequest]:
+        requests = []
+        for i, prompt in enumerate(self.inputs):
+            sampling = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+            request = router_pb2.GenerateRequest(request_id=f"{request_id}-{i}", model=model, sampling=sampling,
+                                                 priority=self.priority or 0, cache_salt=self.cache_salt or "")
+            if isinstance(prompt, str):
+                request.text = prompt
+            else:
+                request.token_ids.ids.extend(prompt)
+            requests.append(request)
+        return requests
+
+
+async def embedding_of(responses: AsyncIterator[router_pb2.GenerateResponse]) -> tuple[list[float], int]:
+    """One request's embedding and its prompt's token count; APIError as the request failed."""
+    embedding: list[float] = []
+    prompt_tokens = 0
+    async with contextlib.aclosing(responses):
+        try:
+            async for response in responses:
+                embedding = embedding or list(response.embedding)
+                if response.HasField("usage"):
+                    prompt_tokens = response.usage.prompt_tokens
+        except Exception as e:
+            raise api_error(e) from e
+    if not embedding:
+        raise APIError(500, "the scheduler sent no embedding")
+    return embedding, prompt_tokens
+
+
+def embeddings_body(results: list[tuple[list[float], int]], model: str, encoding_format: str) -> dict[str, Any]:
+    prompt_tokens = sum(tokens for _, tokens in results)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(vector, encoding_format)}
+                     for i, (vector, _) in enumerate(results)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    """float: the numbers; base64: their little-endian float32 bytes (what OpenAI's clients ask for by default)."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(numpy.asarray(vector, dtype="<f4").tobytes()).decode()
