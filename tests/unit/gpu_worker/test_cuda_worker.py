@@ -96,6 +96,24 @@ def test_partial_rotary_and_gemma_3_decode_as_transformers_on_the_gpu(tmp_path, 
     assert ferry_greedy(str(model_dir), torch.float32, "cuda", prompts, 12, kv_cache_memory=GiB // 8) == expected
 
 
+def test_embeddings_beside_graphed_decodes_with_overlap_are_transformers_on_the_gpu(tmp_path) -> None:
+    """Embedding requests (a one-token chunk after a cache hit is one too) never replay a decode graph, and their
+    hidden state survives the overlapped steps: equal to transformers' on the same GPU."""
+    from ferry import Engine, EngineConfig, SamplingParams
+    from tests.model_families_fixtures import build_tiny_model
+    model_dir, model = build_tiny_model(tmp_path, "qwen3")
+    prompts = [[(7 * i + 13 * j) % 300 + 3 for j in range(17 + i % 3)] for i in range(6)]   # a block, 1-3 more
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", device="cuda", kv_cache_memory=GiB // 8))
+    model = model.to("cuda")
+    with torch.no_grad():
+        hidden = [model.model(torch.tensor([p], device="cuda")).last_hidden_state[0, -1] for p in prompts]
+    expected = [torch.nn.functional.normalize(h, dim=-1).cpu() for h in hidden]
+    engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))   # cached, graphs warm
+    embed = SamplingParams(max_tokens=1, temperature=0, return_embedding=True)
+    for result, want in zip(engine.generate(prompts, embed), expected):
+        assert torch.allclose(torch.tensor(result.embedding), want, atol=1e-4)
+
+
 def test_overlap_is_the_default_on_a_gpu(tiny_fp32) -> None:
     from ferry import Engine, EngineConfig
     engine = Engine(EngineConfig(model=str(tiny_fp32), dtype="float32", device="cuda", kv_cache_memory=GiB // 8))
