@@ -36,3 +36,18 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(qwen3, prompts
             assert torch.allclose(torch.tensor(result.embedding), want, atol=1e-5)
     assert engine.stats().prefix_cache_hits > 0
     assert engine.generate(prompts[:1], SamplingParams(max_tokens=1))[0].embedding is None
+
+
+def test_a_checkpoint_of_the_base_model_alone_embeds_as_transformers(qwen3, tmp_path, prompts):
+    """Qwen3-Embedding's form: a Qwen3Model saved without the "model." prefix or an LM head."""
+    from transformers import Qwen3Model
+
+    model_dir, model = qwen3
+    base = Qwen3Model(model.config).eval()
+    base.load_state_dict(model.model.state_dict())
+    base.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    results = tiny_engine(tmp_path).generate(prompts, EMBED)
+    for result, want in zip(results, transformers_embeddings(model, prompts)):
+        assert torch.allclose(torch.tensor(result.embedding), want, atol=1e-5)
