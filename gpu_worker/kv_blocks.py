@@ -46,7 +46,11 @@ class WorkerBlocks:
                 for part in parts:
                     part.tofile(file)
             if self.followers is not None:
-                self.followers.read_blocks(block_ids, shm_path, self.follower_offsets(len(block_ids)))
+                try:
+                    self.followers.read_blocks(block_ids, shm_path, self.follower_offsets(len(block_ids)))
+                except ValueError:
+                    os.unlink(shm_path)   # half written: no puller will read it
+                    raise
             return b""
         if self.followers is not None:
             parts += [numpy.frombuffer(data, dtype=numpy.uint8) for data in self.followers.read_blocks(block_ids)]

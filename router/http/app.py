@@ -122,7 +122,8 @@ class OpenAIServer:
         model = self.model(body.model)
         caller = dict(api_key=getattr(request.state, "api_key", ""),
                       tenant_header=request.headers.get(TENANT_HEADER, ""))
-        requests = body.generate_requests(f"embd-{uuid.uuid4().hex}", model.route_name)
+        prompts = [await embedding_prompt(prompt, body.add_special_tokens, model) for prompt in body.inputs]
+        requests = body.generate_requests(f"embd-{uuid.uuid4().hex}", model.route_name, prompts)
         work = asyncio.gather(*[embedding_of(self.generate(r, hold=True, **caller)) for r in requests])
         results = await unless_disconnected(request, work)
         return JSONResponse(embeddings_body(results, model.alias_of or model.name, body.encoding_format))
@@ -202,6 +203,15 @@ async def completion_part(body: CompletionRequest, response_id: str, request_id:
                            echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
                            want_prompt_logprobs=body.prompt_logprobs is not None)
     return generate_request, fmt
+
+
+async def embedding_prompt(prompt: str | list[int], add_special_tokens: bool, model: ServedModel) -> list[int]:
+    """An input's ids: as given, or its text tokenized with the tokenizer's special tokens where asked (vLLM's
+    default for embeddings, unlike completions)."""
+    if not isinstance(prompt, str):
+        return prompt
+    check_length("input", len(prompt), model.max_model_len)
+    return await off_the_loop_if_long(len(prompt), model.tokenizer.encode, prompt, add_special_tokens)
 
 
 async def chat_prompt_ids(model: ServedModel, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:

@@ -29,6 +29,7 @@ class EmbeddingRequest(BaseModel):
     dimensions: UINT32 | None = None
     priority: INT32 | None = None           # vLLM's, as on completions
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    add_special_tokens: bool = True         # vLLM's: the tokenizer's own (an EOS Qwen3-Embedding pools at, say)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.dimensions is not None:
@@ -44,18 +45,14 @@ class EmbeddingRequest(BaseModel):
             return [self.input]
         return list(self.input)
 
-    def generate_requests(self, request_id: str, model: str) -> list[router_pb2.GenerateRequest]:
-        requests = []
-        for i, prompt in enumerate(self.inputs):
-            sampling = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
-            request = router_pb2.GenerateRequest(request_id=f"{request_id}-{i}", model=model, sampling=sampling,
-                                                 priority=self.priority or 0, cache_salt=self.cache_salt or "")
-            if isinstance(prompt, str):
-                request.text = prompt
-            else:
-                request.token_ids.ids.extend(prompt)
-            requests.append(request)
-        return requests
+    def generate_requests(self, request_id: str, model: str, prompts: list[list[int]]
+                          ) -> list[router_pb2.GenerateRequest]:
+        """One request per prompt (the inputs' token ids), each computing its prompt and one token."""
+        sampling = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+        return [router_pb2.GenerateRequest(request_id=f"{request_id}-{i}", model=model, sampling=sampling,
+                                           token_ids=router_pb2.TokenIds(ids=prompt), priority=self.priority or 0,
+                                           cache_salt=self.cache_salt or "")
+                for i, prompt in enumerate(prompts)]
 
 
 async def embedding_of(responses: AsyncIterator[router_pb2.GenerateResponse]) -> tuple[list[float], int]:

@@ -193,16 +193,18 @@ def test_force_include_usage_gives_every_stream_its_usage_as_if_asked(tokenizer_
 
 
 def test_embeddings_are_transformers_last_hidden_state_normalized(stack, reference):
+    """Texts tokenized with the tokenizer's special tokens (vLLM's default for embeddings); ids taken as given."""
     texts = ["Paris is the capital of France.", "The quick brown fox"]
+    ids = [reference.tokenizer.encode(text, add_special_tokens=True) for text in texts]
     with torch.no_grad():
-        want = [torch.nn.functional.normalize(reference.model.model(torch.tensor([reference.encode(text)]))
-                                              .last_hidden_state[0, -1], dim=-1) for text in texts]
+        want = [torch.nn.functional.normalize(reference.model.model(torch.tensor([p])).last_hidden_state[0, -1],
+                                              dim=-1) for p in ids]
     result = stack.client().embeddings.create(model=stack.model, input=texts)   # base64, as the client asks
     assert [d.index for d in result.data] == [0, 1] and result.model == stack.model
     for got, wanted in zip(result.data, want):
         assert torch.allclose(torch.tensor(got.embedding), wanted, atol=1e-5)
-    assert result.usage.prompt_tokens == sum(len(reference.encode(text)) for text in texts)
-    as_ids = httpx.post(stack.base_url + "/embeddings", json={"input": reference.encode(texts[1])}, timeout=60,
+    assert result.usage.prompt_tokens == sum(len(p) for p in ids)
+    as_ids = httpx.post(stack.base_url + "/embeddings", json={"input": ids[1]}, timeout=60,
                         headers={"Authorization": f"Bearer {API_KEY}"}).json()   # floats; one list of ids: one input
     assert len(as_ids["data"]) == 1 and torch.allclose(torch.tensor(as_ids["data"][0]["embedding"]), want[1],
                                                        atol=1e-5)
