@@ -24,6 +24,7 @@ from router.http.schema import (
     ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, SamplingRequest, StreamOptions,
     UnloadLoraAdapterRequest,
 )
+from router.http.scoring import RerankRequest, ScoreRequest, rerank_body, score_body
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.prompt_batches import all_started, batch_sse_events, merged_body
 from router.http.sse import sse_events
@@ -120,13 +121,33 @@ class OpenAIServer:
         body = await parse_body(request, EmbeddingRequest, self.max_request_bytes, self.body_timeout)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
+        results = await self.embed(request, model, body)
+        return JSONResponse(embeddings_body(results, model.alias_of or model.name, body.encoding_format))
+
+    async def score(self, request: Request) -> JSONResponse:
+        """vLLM's: the cosine similarity of text_1's embedding and each of text_2's (router/http/scoring.py)."""
+        body = await parse_body(request, ScoreRequest, self.max_request_bytes, self.body_timeout)
+        reject_unsupported(body.unsupported())
+        model = self.model(body.model)
+        embedded = await self.embed(request, model, body.embedding_request(body.firsts + body.seconds))
+        return JSONResponse(score_body(body, embedded, model.alias_of or model.name))
+
+    async def rerank(self, request: Request) -> JSONResponse:
+        """vLLM's: the documents by the cosine similarity of their embeddings to the query's, best first."""
+        body = await parse_body(request, RerankRequest, self.max_request_bytes, self.body_timeout)
+        model = self.model(body.model)
+        embedded = await self.embed(request, model, body.embedding_request([body.query, *body.documents]))
+        return JSONResponse(rerank_body(body, embedded, model.alias_of or model.name))
+
+    async def embed(self, request: Request, model: ServedModel, body: EmbeddingRequest
+                    ) -> list[tuple[list[float], int]]:
+        """Each input's embedding and token count, one request each, run side by side."""
         caller = dict(api_key=getattr(request.state, "api_key", ""),
                       tenant_header=request.headers.get(TENANT_HEADER, ""))
         prompts = [await embedding_prompt(prompt, body.add_special_tokens, model) for prompt in body.inputs]
         requests = body.generate_requests(f"embd-{uuid.uuid4().hex}", model.route_name, prompts)
         work = asyncio.gather(*[embedding_of(self.generate(r, hold=True, **caller)) for r in requests])
-        results = await unless_disconnected(request, work)
-        return JSONResponse(embeddings_body(results, model.alias_of or model.name, body.encoding_format))
+        return await unless_disconnected(request, work)
 
     def admin(self) -> LoraAdmin:
         if self.lora_admin is None:
@@ -265,6 +286,10 @@ def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | 
     app.add_api_route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/embeddings", server.embeddings, methods=["POST"])
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/score", server.score, methods=["POST"])
+    for prefix in ("", "/v1", "/v2"):
+        app.add_api_route(f"{prefix}/rerank", server.rerank, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app

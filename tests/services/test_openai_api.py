@@ -210,6 +210,26 @@ def test_embeddings_are_transformers_last_hidden_state_normalized(stack, referen
                                                        atol=1e-5)
 
 
+def test_score_and_rerank_are_the_cosine_similarity_of_transformers_embeddings(stack, reference):
+    query, documents = "Where is Paris?", ["Paris is in France.", "The quick brown fox", "Berlin is in Germany."]
+    with torch.no_grad():
+        vectors = [torch.nn.functional.normalize(reference.model.model(torch.tensor(
+            [reference.tokenizer.encode(text, add_special_tokens=True)])).last_hidden_state[0, -1], dim=-1)
+            for text in [query, *documents]]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    scored = post_root(stack, "/score", {"model": stack.model, "text_1": query, "text_2": documents}).json()
+    assert [d["index"] for d in scored["data"]] == [0, 1, 2]
+    assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-4)
+    pairwise = post_root(stack, "/v1/score", {"text_1": documents[:2], "text_2": documents[1:]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [float(vectors[1] @ vectors[2]), float(vectors[2] @ vectors[3])], abs=1e-4)
+    reranked = post_root(stack, "/rerank", {"query": query, "documents": documents, "top_n": 2}).json()
+    best = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in reranked["results"]] == best
+    assert [r["document"]["text"] for r in reranked["results"]] == [documents[i] for i in best]
+    assert [r["relevance_score"] for r in reranked["results"]] == pytest.approx([want[i] for i in best], abs=1e-4)
+
+
 def post_root(stack, path: str, body: dict) -> httpx.Response:
     """vLLM's routes outside /v1 (/tokenize, /detokenize)."""
     return httpx.post(stack.base_url.removesuffix("/v1") + path, json=body, timeout=60,

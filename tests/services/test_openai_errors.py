@@ -56,6 +56,8 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
     ("/embeddings", {"input": "hi", "encoding_format": "hex"}, ["encoding_format"], "encoding_format"),
     ("/embeddings", {"input": "hi", "dimensions": 8}, ["dimensions"], "dimensions"),
     ("/embeddings", {"input": [1, 2, 100000]}, ["token ids"], None),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, ["text_1"], "text_1"),
+    ("/rerank", {"query": "a", "documents": []}, ["documents"], "documents"),
     ("/completions", {"prompt": "hi", "cache_salt": "s" * 1025}, ["cache_salt", "1024"], "cache_salt"),
 ])
 def test_bad_input_is_400_naming_the_problem(stack, path, body, words, param):
@@ -83,6 +85,11 @@ def test_wrong_or_missing_api_key_is_401(stack, key):
     assert_error(response, 401)
     with pytest.raises(openai.AuthenticationError):
         stack.client(api_key=key or "not-the-key").models.list()
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank", "/nowhere"])
+def test_routes_outside_v1_need_the_key_too(stack, path):
+    assert_error(httpx.post(stack.base_url.removesuffix("/v1") + path, json={}), 401, "API key")
 
 
 def test_health_needs_no_key(stack):
