@@ -173,7 +173,8 @@ class Worker:
         if draft is not None:
             draft_pool = KVPool.of_blocks(draft[1], block_size, pool.num_blocks, dtype, device)
             self.runner.draft = DraftModel(draft[0], draft_pool, max_model_len, draft[2])
-        self.blocks = WorkerBlocks([pool] + ([self.runner.draft.pool] if draft else []), self.followers)
+        self.blocks = WorkerBlocks([pool] + ([self.runner.draft.pool] if draft else []), self.followers,
+                                   whole_shape.num_kv_heads)
         if device.type == "cuda":
             warm_up.compile_kernels(self.runner, step_tokens(req.max_num_batched_tokens, "cuda"), max_model_len)
         if (device.type == "cuda" and not req.enforce_eager and capturable(model, backend) and draft is None
@@ -269,7 +270,7 @@ class Worker:
         return worker_pb2.BlocksData(data=self.kv_blocks().read(list(req.block_ids), req.shm_path))
 
     def write_blocks(self, req: worker_pb2.WriteBlocksRequest) -> worker_pb2.BlocksData:
-        self.kv_blocks().write(list(req.block_ids), req.data, req.shm_path)
+        self.kv_blocks().write(list(req.block_ids), req.data, req.shm_path, req.source_tensor_parallel_size)
         return worker_pb2.BlocksData()
 
     def kv_blocks(self) -> WorkerBlocks:

@@ -40,6 +40,7 @@ MIN_PULL_BLOCKS = 1
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "ferry-kv-"
 PROBE_PREFIX = "ferry-probe-"
+RECUT_FIELDS = ("tensor_parallel_size", "block_bytes")   # what may differ between groups of other sizes
 STALE_SHM_S = 120.0       # a chunk or probe file this old lost its owner (a puller died or gave up): removed
 
 
@@ -52,9 +53,13 @@ def kv_layout(model: worker_pb2.ModelInfo, hash_root: int) -> scheduler_pb2.KvLa
 
 
 def layout_difference(mine: scheduler_pb2.KvLayout, theirs: scheduler_pb2.KvLayout) -> str:
-    """What differs between two layouts, in words ("" where their blocks are interchangeable)."""
+    """What differs between two layouts, in words ("" where their blocks are interchangeable). Groups of other
+    sizes may differ in their ranks' shares (a block's bytes, where KV heads are replicated): the puller's worker
+    cuts the heads again (gpu_worker/kv_blocks.py)."""
+    recut = mine.tensor_parallel_size != theirs.tensor_parallel_size
     return "; ".join(f"{f.name}: {getattr(theirs, f.name)!r} here {getattr(mine, f.name)!r}"
-                     for f in mine.DESCRIPTOR.fields if getattr(mine, f.name) != getattr(theirs, f.name))
+                     for f in mine.DESCRIPTOR.fields
+                     if not (recut and f.name in RECUT_FIELDS) and getattr(mine, f.name) != getattr(theirs, f.name))
 
 
 @dataclass
@@ -102,7 +107,7 @@ class KvServer:
                     raise StatusError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
                 self.counters.served_blocks += len(ids)
                 yield scheduler_pb2.KvBlocks(block_hashes=request.block_hashes[start:start + len(ids)], data=data,
-                                             shm_path=path)
+                                             shm_path=path, tensor_parallel_size=mine.tensor_parallel_size)
         finally:
             if self.loop.scheduler is scheduler:   # a restarted worker's manager never had these pins
                 manager.unpin(block_ids)
@@ -192,7 +197,7 @@ class KvPulls:
         if block_ids is None:
             raise ValueError("the pool has no free blocks for the pulled KV")
         try:
-            await self.loop.worker.write_blocks(block_ids, chunk.data, chunk.shm_path)
+            await self.loop.worker.write_blocks(block_ids, chunk.data, chunk.shm_path, chunk.tensor_parallel_size)
         except BaseException:
             if self.loop.scheduler is scheduler:
                 manager.unpin(block_ids)

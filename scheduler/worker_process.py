@@ -83,8 +83,11 @@ class WorkerProcess:
         request = worker_pb2.ReadBlocksRequest(block_ids=block_ids, shm_path=shm_path)
         return (await self.blocks_call(self.stub.ReadBlocks, request)).data
 
-    async def write_blocks(self, block_ids: list[int], data: bytes, shm_path: str = "") -> None:
-        request = worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=data, shm_path=shm_path)
+    async def write_blocks(self, block_ids: list[int], data: bytes, shm_path: str = "",
+                           source_tensor_parallel_size: int = 0) -> None:
+        """source_tensor_parallel_size: the holder's ranks, whose shares the data is (0: as many as here)."""
+        request = worker_pb2.WriteBlocksRequest(block_ids=block_ids, data=data, shm_path=shm_path,
+                                                source_tensor_parallel_size=source_tensor_parallel_size)
         await self.blocks_call(self.stub.WriteBlocks, request)
 
     async def blocks_call(self, method, request):

@@ -140,12 +140,20 @@ def query_range(shape: ModelShape, tp: TensorParallel) -> tuple[int, int]:
     return head_rows(tp.rank * heads, heads, shape.head_dim)
 
 
+def rank_heads(rank: int, size: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` of a group of `size` holds: its share, or, where the ranks outnumber the heads, the
+    one its query heads read (held by several ranks)."""
+    if num_kv_heads >= size:
+        per_rank = num_kv_heads // size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank * num_kv_heads // size
+    return range(head, head + 1)
+
+
 def kv_range(shape: ModelShape, tp: TensorParallel) -> tuple[int, int]:
-    """This rank's KV heads' rows; with fewer KV heads than ranks, the one its query heads read."""
-    kv_heads, size = shape.num_kv_heads, tp.size
-    if kv_heads >= size:
-        return head_rows(tp.rank * (kv_heads // size), kv_heads // size, shape.head_dim)
-    return head_rows(tp.rank * kv_heads // size, 1, shape.head_dim)
+    """This rank's KV heads' rows."""
+    heads = rank_heads(tp.rank, tp.size, shape.num_kv_heads)
+    return head_rows(heads.start, len(heads), shape.head_dim)
 
 
 def shard_adapter_linears(linears: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], shape: ModelShape,

@@ -4,6 +4,7 @@ weights; models that do not split refused before any rank starts."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from ferry import EngineConfig, SamplingParams
@@ -135,3 +136,31 @@ def test_kv_blocks_out_and_in_carry_every_ranks_share_as_bytes_and_through_a_fil
     assert blocks.read([6, 7]) == data
     blocks.write([8, 9], b"", str(chunk))
     assert blocks.read([8, 9]) == data and not chunk.exists()
+
+
+def test_kv_blocks_move_between_groups_of_two_ranks_and_one_cut_again_by_head(tmp_path, prompts):
+    """A prefix's blocks read from a group of 2 and written into one rank (and back), gathered into every KV head
+    and cut again: the blocks hold what the receiver computed itself for those tokens (float32, to the rounding
+    of the ranks' partial sums)."""
+    from protos.block_hash import hash_blocks
+
+    model_dir, _ = build_tiny_model(tmp_path, "qwen3")
+    group, single = tiny_engine(model_dir, tensor_parallel_size=2), tiny_engine(model_dir)
+    for engine in (group, single):
+        engine.generate(prompts, GREEDY)
+
+    def cached_blocks(engine) -> list[int]:
+        hashes = hash_blocks(prompts[-1], engine.info.block_size, engine.info.model_name)
+        return engine.scheduler.block_manager.cached_run(hashes)
+
+    def as_floats(data: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+    group_ids, single_ids = cached_blocks(group), cached_blocks(single)
+    assert len(group_ids) == len(single_ids) >= 2
+    computed_here = single.worker.blocks.read(single_ids)
+    single.worker.blocks.write(single_ids, group.worker.blocks.read(group_ids), source_size=2)
+    assert torch.allclose(as_floats(single.worker.blocks.read(single_ids)), as_floats(computed_here), atol=1e-5)
+    computed_there = group.worker.blocks.read(group_ids)
+    group.worker.blocks.write(group_ids, computed_here, source_size=1)
+    assert torch.allclose(as_floats(group.worker.blocks.read(group_ids)), as_floats(computed_there), atol=1e-5)

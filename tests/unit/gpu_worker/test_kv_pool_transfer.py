@@ -68,3 +68,28 @@ def test_data_of_the_wrong_size_is_refused():
     with_draft = WorkerBlocks([pool(SHAPE, torch.float32, False), pool(DRAFT_SHAPE, torch.float32, False)])
     with pytest.raises(ValueError, match="for 1 blocks"):
         with_draft.write([0], source.read([0]))
+
+
+def rank_pools(shape: ModelShape, size: int, dtype: torch.dtype = torch.float32) -> list[KVPool]:
+    """Each rank's pool of a group of `size` (their heads: parallel/sharding.py's cut), filled at random."""
+    local = replace(shape, num_kv_heads=max(1, shape.num_kv_heads // size))
+    return [pool(local, dtype, True) for _ in range(size)]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["a head each", "one head, replicated"])
+def test_blocks_of_a_group_of_two_ranks_are_gathered_into_one_ranks_heads(kv_heads):
+    shape = replace(SHAPE, num_kv_heads=kv_heads)
+    ranks, draft = rank_pools(shape, 2), pool(DRAFT_SHAPE, torch.float32, True)
+    data = b"".join([ranks[0].read_raw([2, 5]).tobytes(), draft.read_raw([2, 5]).tobytes(),
+                     ranks[1].read_raw([2, 5]).tobytes()])   # as rank 0 of that group sends them
+    target = WorkerBlocks([pool(shape, torch.float32, False), pool(DRAFT_SHAPE, torch.float32, False)],
+                          num_kv_heads=kv_heads)
+    target.write([6, 0], data, source_size=2)
+    for source_id, target_id in ((2, 6), (5, 0)):
+        whole = target.pools[0].tensor[:, :, target_id]
+        assert torch.equal(whole[:, :, 0], ranks[0].tensor[:, :, source_id, 0])
+        if kv_heads == 2:
+            assert torch.equal(whole[:, :, 1], ranks[1].tensor[:, :, source_id, 0])
+        assert torch.equal(target.pools[1].tensor[:, :, target_id], draft.tensor[:, :, source_id])
+    with pytest.raises(ValueError, match="group of 2 ranks"):
+        target.write([1], data, source_size=2)
