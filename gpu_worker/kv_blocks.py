@@ -76,11 +76,7 @@ class WorkerBlocks:
                 self.write_recut(block_ids, raw, source_size)
                 return
             raw = self.own_bytes(block_ids, data, shm_path)
-            offset = 0
-            for pool in self.pools:
-                size = len(block_ids) * pool.bytes_per_block
-                pool.write_raw(block_ids, raw[offset:offset + size])
-                offset += size
+            write_in_turn(self.pools, block_ids, raw)
             if self.followers is not None:
                 self.write_followers(block_ids, raw, shm_path)
         finally:
@@ -129,11 +125,7 @@ class WorkerBlocks:
         whole = numpy.stack([taken[head] for head in range(heads)], axis=3)
         mine = [heads_bytes(whole, rank_heads(rank, self.group_size, heads)) for rank in range(self.group_size)]
         self.pools[0].write_raw(block_ids, mine[0])
-        offset = share
-        for pool in self.pools[1:]:
-            size = n * pool.bytes_per_block
-            pool.write_raw(block_ids, raw[offset:offset + size])
-            offset += size
+        write_in_turn(self.pools[1:], block_ids, raw[share:])
         if self.followers is not None:
             self.followers.write_blocks(block_ids, shares=[part.tobytes() for part in mine[1:]])
 
@@ -141,3 +133,12 @@ class WorkerBlocks:
 def heads_bytes(whole: numpy.ndarray, heads: range) -> numpy.ndarray:
     """Those heads of [layers, K and V, blocks, heads, block_size, head_dim], as a rank's pool holds them in bytes."""
     return numpy.ascontiguousarray(whole[:, :, :, heads.start:heads.stop]).view(numpy.uint8).reshape(-1)
+
+
+def write_in_turn(pools: list[KVPool], block_ids: list[int], raw: numpy.ndarray) -> None:
+    """Each pool's bytes of the blocks, one pool's after another's, into its blocks."""
+    offset = 0
+    for pool in pools:
+        size = len(block_ids) * pool.bytes_per_block
+        pool.write_raw(block_ids, raw[offset:offset + size])
+        offset += size

@@ -9,26 +9,22 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import numpy
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from protos import common_pb2, router_pb2
 from router.http.errors import APIError, api_error
-from router.http.schema import INT32, MAX_BATCH_PROMPTS, UINT32
+from router.http.schema import MAX_BATCH_PROMPTS, UINT32, RequestFields
 
 NONEMPTY_TEXT = Annotated[str, Field(min_length=1)]
 NONEMPTY_IDS = Annotated[list[UINT32], Field(min_length=1)]
+TEXTS = Annotated[list[NONEMPTY_TEXT], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = ""
-    input: NONEMPTY_TEXT | Annotated[list[NONEMPTY_TEXT], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)] | \
-        NONEMPTY_IDS | Annotated[list[NONEMPTY_IDS], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
+class EmbeddingRequest(RequestFields):
+    input: NONEMPTY_TEXT | TEXTS | NONEMPTY_IDS | \
+        Annotated[list[NONEMPTY_IDS], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: UINT32 | None = None
-    priority: INT32 | None = None           # vLLM's, as on completions
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     add_special_tokens: bool = True         # vLLM's: the tokenizer's own (an EOS Qwen3-Embedding pools at, say)
 
     def unsupported(self) -> tuple[str, str] | None:

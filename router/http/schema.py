@@ -54,12 +54,21 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False   # vLLM's: usage on every chunk too (with include_usage)
 
 
-class SamplingRequest(PlainSamplingFields):
-    """Fields both APIs share (OpenAI's, plus vLLM's extensions users already send): the plain sampling fields,
-    and these."""
+class RequestFields(BaseModel):
+    """What every request that runs prompts takes beside them (completions, chat, embeddings, scores): the model,
+    and vLLM's priority and cache salt."""
     model_config = ConfigDict(extra="ignore")
 
     model: Annotated[str, BeforeValidator(lambda value: "" if value is None else value)] = ""   # null: the served one
+    priority: INT32 | None = None           # vLLM's: lower is served first (--scheduling-policy priority or fair)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None   # vLLM's: prefix KV shared only within one salt
+
+
+class SamplingRequest(PlainSamplingFields, RequestFields):
+    """Fields both APIs share (OpenAI's, plus vLLM's extensions users already send): the plain sampling fields,
+    the request's, and these."""
+    model_config = ConfigDict(extra="ignore")
+
     stream: SWITCH = False
     stream_options: StreamOptions | None = None
     seed: SEED | None = None
@@ -73,8 +82,6 @@ class SamplingRequest(PlainSamplingFields):
     guided_grammar: str | None = None
     tools: list[dict[str, Any]] | None = None
     stream_interval: UINT32 | None = None   # tokens per streamed chunk; unset: the router's --stream-interval
-    priority: INT32 | None = None           # vLLM's: lower is served first (--scheduling-policy priority or fair)
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None   # vLLM's: prefix KV shared only within one salt
 
     @property
     def include_usage(self) -> bool:

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from router.http.embeddings import NONEMPTY_TEXT, TEXTS, EmbeddingRequest
+from router.http.schema import UINT32, RequestFields
 
-from router.http.embeddings import NONEMPTY_TEXT, EmbeddingRequest
-from router.http.schema import INT32, MAX_BATCH_PROMPTS, UINT32
-
-TEXTS = Annotated[list[NONEMPTY_TEXT], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)]
 Embedded = list[tuple[list[float], int]]   # each text's embedding and its token count, in order
 
 
-class ScoringRequest(BaseModel):
+class ScoringRequest(RequestFields):
     """What /score and /rerank share: how their texts are embedded."""
-    model_config = ConfigDict(extra="ignore")
-
-    model: str = ""
     add_special_tokens: bool = True
-    priority: INT32 | None = None
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def embedding_request(self, texts: list[str]) -> EmbeddingRequest:
         return EmbeddingRequest(input=texts, add_special_tokens=self.add_special_tokens, priority=self.priority,
