@@ -3,26 +3,51 @@ them: assistant tool calls with their arguments as dicts, tool results with thei
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from protos import router_pb2
 
+# the variables Ferry gives the template itself: a request names them in their own fields, not in its kwargs
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                         "bos_token", "eos_token", "chat_template", "tokenize"})
 
-def chat_template_inputs(chat: router_pb2.ChatMessages) -> tuple[list[dict], list[dict] | None]:
-    """The messages and tools a chat template takes, as transformers' apply_chat_template gets them."""
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat's prompt is rendered beyond its messages and tools (vLLM's chat request extensions)."""
+    variables: dict = field(default_factory=dict)   # chat_template_kwargs: enable_thinking, say
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def chat_template_inputs(chat: router_pb2.ChatMessages) -> tuple[list[dict], list[dict] | None, TemplateOptions]:
+    """The messages, tools and options a chat template takes, as transformers' apply_chat_template gets them."""
+    tools = parsed_json(chat.tools, list, "chat tools", "a JSON list") if chat.tools else None
+    variables = parsed_json(chat.template_kwargs, dict, "chat_template_kwargs",
+                            "a JSON object") if chat.template_kwargs else {}
+    if reserved := sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys()):
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    options = TemplateOptions(variables, add_generation_prompt, chat.continue_final_message)
+    return [template_message(m) for m in chat.messages], tools, options
+
+
+def parsed_json(text: str, kind: type, what: str, shape: str):
     try:
-        tools = json.loads(chat.tools) if chat.tools else None
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"chat tools are not valid JSON: {e}") from e
-    if tools is not None and not isinstance(tools, list):
-        raise ValueError("chat tools must be a JSON list")
-    return [template_message(m) for m in chat.messages], tools
+        raise ValueError(f"{what}: not valid JSON ({e})") from e
+    if not isinstance(value, kind):
+        raise ValueError(f"{what}: must be {shape}")
+    return value
 
 
 def chat_chars(chat: router_pb2.ChatMessages) -> int:
-    """The characters of text a chat holds (roles, contents, tool calls, tools): what its prompt grows with."""
-    return len(chat.tools) + sum(len(m.role) + len(m.content) + len(m.name) + len(m.tool_call_id)
-                                 + sum(len(call.name) + len(call.arguments) for call in m.tool_calls)
-                                 for m in chat.messages)
+    """The characters of text a chat holds (roles, contents, tool calls, tools, template variables): what its
+    prompt grows with."""
+    return len(chat.tools) + len(chat.template_kwargs) + sum(
+        len(m.role) + len(m.content) + len(m.name) + len(m.tool_call_id)
+        + sum(len(call.name) + len(call.arguments) for call in m.tool_calls) for m in chat.messages)
 
 
 def template_message(message: router_pb2.ChatMessage) -> dict:

@@ -17,6 +17,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from router.chat_messages import TemplateOptions
 from router.prompt_length import LONG_PROMPT_CHARS
 
 
@@ -70,20 +71,47 @@ class RouterTokenizer:
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, indent=indent, ensure_ascii=False)
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt for OpenAI-shaped messages (tool calls' arguments as dicts) and, when given, the tools."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: TemplateOptions = TemplateOptions()) -> str:
+        """The prompt for OpenAI-shaped messages (tool calls' arguments as dicts), the tools when given, and the
+        template's further variables; with continue_final_message it ends where the last message's text does."""
         if not self.chat_template:
             raise ValueError("this model has no chat template: send a text prompt")
+        if options.continue_final_message:
+            messages = tagged_final_message(messages)
         try:
-            return self.compiled_chat_template.render(
-                messages=messages, tools=tools, add_generation_prompt=True,
+            rendered = self.compiled_chat_template.render(
+                **options.variables, messages=messages, tools=tools,
+                add_generation_prompt=options.add_generation_prompt,
                 bos_token=special_token_text(self.config.get("bos_token")),
                 eos_token=special_token_text(self.config.get("eos_token")))
         except (jinja2.TemplateError, TypeError) as e:   # TypeError: a template that cannot take these messages
             raise ValueError(f"chat template failed: {e}") from e
+        return cut_at_final_message(rendered) if options.continue_final_message else rendered
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.render_chat(messages, tools))
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: TemplateOptions = TemplateOptions()) -> list[int]:
+        return self.encode(self.render_chat(messages, tools, options))
+
+
+# transformers' way to find where the last message's text ends in the rendered prompt: a tag after it, cut off
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tagged_final_message(messages: list[dict]) -> list[dict]:
+    if not messages or not isinstance(messages[-1].get("content"), str):
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": last["content"] + CONTINUE_TAG}]
+
+
+def cut_at_final_message(rendered: str) -> str:
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not show the last message's text")
+    if rendered.startswith(CONTINUE_TAG, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()   # the template trimmed the text's trailing space, and the tag's with it
 
 
 _loading = threading.Lock()

@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 from base.sampling_params import SAMPLING_FIELDS, WIRE_KINDS
 from protos import common_pb2, router_pb2
+from router.chat_messages import RESERVED_TEMPLATE_VARIABLES
 from router.http.constraints import ResponseFormat, StructuredOutputs, add_constraints
 from router.http.fill_in_middle import fim_prompt
 from router.tokenizer import RouterTokenizer
@@ -251,7 +252,31 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(BaseModel):
+    """vLLM's fields on how a chat's prompt is rendered (chat completions and /tokenize)."""
+    chat_template_kwargs: dict[str, Any] | None = None   # further template variables: {"enable_thinking": false}
+    add_generation_prompt: bool | None = None   # unset: true (the template opens the assistant's turn)
+    continue_final_message: SWITCH = False      # the prompt ends inside the last message, for the model to go on
+
+    def template_unsupported(self) -> tuple[str, str] | None:
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", "not with add_generation_prompt: the prompt ends in the last message"
+        if reserved := sorted(RESERVED_TEMPLATE_VARIABLES & (self.chat_template_kwargs or {}).keys()):
+            return "chat_template_kwargs", f"may not set {', '.join(reserved)}: the request's own fields do"
+        return None
+
+    def chat_proto(self, messages: list[ChatMessageIn], tools: list[ToolDefinition] | None
+                   ) -> router_pb2.ChatMessages:
+        chat = router_pb2.ChatMessages(
+            messages=[m.to_proto() for m in messages], continue_final_message=self.continue_final_message,
+            tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]) if tools else "",
+            template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "")
+        if self.add_generation_prompt is not None:
+            chat.add_generation_prompt = self.add_generation_prompt
+        return chat
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
     max_completion_tokens: UINT32 | None = None
     logprobs: SWITCH = False
@@ -268,7 +293,7 @@ class ChatCompletionRequest(SamplingRequest):
                 message.text()
             except ValueError as e:
                 return f"messages[{i}].content", str(e)
-        return None
+        return self.template_unsupported()
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -282,8 +307,7 @@ class ChatCompletionRequest(SamplingRequest):
         return "auto" if self.tools else "none"
 
     def chat(self) -> router_pb2.ChatMessages:
-        tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools]) if self.tools else ""
-        return router_pb2.ChatMessages(messages=[m.to_proto() for m in self.messages], tools=tools)
+        return self.chat_proto(self.messages, self.tools)
 
     def generate_request(self, request_id: str, model: str, max_tokens: int | None,
                          prompt_ids: list[int] | None = None) -> router_pb2.GenerateRequest:

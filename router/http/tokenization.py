@@ -1,23 +1,21 @@
 """The bodies of vLLM's /tokenize and /detokenize (router/http/app.py serves them)."""
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
 from protos import router_pb2
-from router.http.schema import ChatMessageIn, ToolDefinition
+from router.http.schema import ChatMessageIn, ChatTemplateFields, ToolDefinition
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's body of POST /tokenize: a prompt, or chat messages (and tools) as the chat template renders them."""
     model: str = ""
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = False   # False: the ids /v1/completions runs; True: the tokenizer's BOS and the like
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -25,13 +23,10 @@ class TokenizeRequest(BaseModel):
             return "prompt", "give either prompt or messages"
         if self.messages is not None and self.add_special_tokens:
             return "add_special_tokens", "not with messages: the chat template places the special tokens"
-        if not self.add_generation_prompt:
-            return "add_generation_prompt", "only true is supported (the prompt a chat completion runs)"
-        return None
+        return self.template_unsupported()
 
     def chat(self) -> router_pb2.ChatMessages:
-        tools = json.dumps([t.model_dump(exclude_none=True) for t in self.tools]) if self.tools else ""
-        return router_pb2.ChatMessages(messages=[m.to_proto() for m in self.messages or []], tools=tools)
+        return self.chat_proto(self.messages or [], self.tools)
 
 
 class DetokenizeRequest(BaseModel):

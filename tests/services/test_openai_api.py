@@ -254,11 +254,34 @@ def test_tokenize_gives_the_ids_a_completion_and_a_chat_run_and_detokenize_gives
     assert usage.prompt_tokens == chat["count"]
 
 
+def test_a_chat_continues_its_last_message_as_transformers_and_tokenize_shows_that_prompt(stack, reference):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message, which the model goes on with."""
+    messages = [{"role": "user", "content": "Name a capital."}, {"role": "assistant", "content": "Paris is the"}]
+    prompt_ids = list(reference.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True,
+                                                              return_dict=True)["input_ids"])
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    tokenized = post_root(stack, "/tokenize", {"model": stack.model, "messages": messages, **options}).json()
+    assert tokenized["tokens"] == prompt_ids
+    want_ids, _ = reference.greedy(prompt_ids, 8)
+    chat = stack.client().chat.completions.create(model=stack.model, messages=messages, max_tokens=8, temperature=0,
+                                                  extra_body=options)
+    assert chat.choices[0].message.content == reference.decode(want_ids)
+    assert chat.usage.prompt_tokens == len(prompt_ids)
+    opened = post_root(stack, "/tokenize", {"model": stack.model, "messages": messages,
+                                            "add_generation_prompt": False}).json()
+    assert opened["tokens"] == list(reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, tokenize=True, return_dict=True)["input_ids"]) != prompt_ids
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
     ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False},
-     "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": True,
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}],
+                              "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}],
+                              "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
 ])
