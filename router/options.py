@@ -9,6 +9,7 @@ from base.options import nested, no_flag, option
 from base.tls import TlsConfig
 from router.http.body import MAX_REQUEST_BYTES
 from router.http.http_server import HttpLimits
+from router.http.reasoning import REASONING_PARSERS
 from router.http.tool_parsers import PARSERS
 from router.kv_pull import KvPullOptions
 from router.limits import KeyLimits
@@ -57,6 +58,9 @@ class RouterOptions:
     reuse_port: bool = no_flag(False)     # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
     tool_call_parser: str = option("", 'the format "auto" tool calls are read in; empty: what the chat template '
                                        "shows", choices=sorted(PARSERS))
+    reasoning_parser: str = option("", "chats' thinking (<think>...</think>) answered as the message's `reasoning`, "
+                                       "apart from its content, read as this model family writes it; empty: all "
+                                       "text is content", choices=sorted(REASONING_PARSERS))
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:

@@ -139,7 +139,8 @@ async def start_http(router: Router, directory: SchedulerDirectory, options: Rou
     app = create_app(router.generate, models=directory_models(directory), api_keys=options.api_keys,
                      max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser,
                      body_timeout=options.http_limits.body_timeout, lora_admin=LoraAdmin(directory),
-                     force_include_usage=options.enable_force_include_usage)
+                     force_include_usage=options.enable_force_include_usage,
+                     reasoning_parser=options.reasoning_parser)
     router.telemetry.instrument(app)
     try:
         http = await serve_http(app, options.http_host, options.http_port, options.drain_timeout, options.tls,

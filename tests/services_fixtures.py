@@ -358,17 +358,52 @@ class HttpStack:
 
 
 @contextmanager
-def start_http_stack(model_dir: Path, **scheduler_flags: str | tuple[str, ...] | None) -> Iterator[HttpStack]:
+def start_http_stack(model_dir: Path, router_flags: tuple[str, ...] = (),
+                     **scheduler_flags: str | tuple[str, ...] | None) -> Iterator[HttpStack]:
     """redis-server, one scheduler with its worker, and a router serving gRPC and the OpenAI API over HTTP."""
     services = start_services(model_dir, num_schedulers=1, **scheduler_flags)
     try:
         grpc_port, http_port = free_port(), free_port()
         services.stack.start([sys.executable, "-m", "router", "--port", str(grpc_port), "--redis-url",
-                              services.redis_url, "--http-port", str(http_port), "--api-key", API_KEY],
-                             "router with HTTP", env=CHILD_ENV)
+                              services.redis_url, "--http-port", str(http_port), "--api-key", API_KEY,
+                              *router_flags], "router with HTTP", env=CHILD_ENV)
         wait_for_health(f"127.0.0.1:{grpc_port}", services.stack, timeout=60)
         base_url = f"http://127.0.0.1:{http_port}/v1"
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200, "HTTP health")
         yield HttpStack(services, base_url, model_dir.name, f"127.0.0.1:{grpc_port}")
     finally:
         services.stop()
+
+
+def build_scripted_model(path: Path, script: list[str], chat_template: str) -> Path:
+    """A tiny Llama whose next token depends only on the current one, wired so that after any chat prompt it says
+    the script (each piece an added token) and ends: a real model through a real stack, with known output."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.common.random_models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(path)
+    tokenizer.add_tokens([AddedToken(piece, normalized=False) for piece in script])
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    prompt_end = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)[-1]
+    chain = [prompt_end, *tokenizer.convert_tokens_to_ids(script), tokenizer.eos_token_id]
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()     # no attention, no MLP: the residual is the token's embedding
+        layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.normal_(0.0, 0.02)
+        model.lm_head.weight.zero_()
+        for i, (token, following) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, i] = 8.0     # RMS 1: the norm leaves it as it is
+            model.lm_head.weight[following, i] = 8.0
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from base.errors import StatusError
-from protos import router_pb2
+from protos import common_pb2, router_pb2
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
@@ -27,6 +27,7 @@ from router.http.schema import (
 from router.http.scoring import RerankRequest, ScoreRequest, rerank_body, score_body
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.prompt_batches import all_started, batch_sse_events, merged_body
+from router.http.reasoning import REASONING_PARSERS, ReasoningFactory
 from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tokenization import DetokenizeRequest, TokenizeRequest
@@ -49,6 +50,7 @@ class OpenAIServer:
     body_timeout: float = BODY_TIMEOUT_S
     lora_admin: LoraAdmin | None = None   # run-time LoRA loads (None: the routes answer 404)
     force_include_usage: bool = False     # streams carry usage on every chunk and at the end, asked or not
+    reasoning_parser: str = ""            # chats' thinking read into `reasoning` (router/http/reasoning.py)
 
     def model(self, name: str) -> ServedModel:
         served = self.models()
@@ -185,8 +187,16 @@ class OpenAIServer:
         tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
         generate_request = body.generate_request(request_id, model.route_name, max_tokens, prompt_ids)
         add_grammar(tools, generate_request.sampling)
-        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage, tools=tools)
+        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage, tools=tools,
+                         reasoning=self.reasoning(generate_request.sampling), include_reasoning=body.include_reasoning)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
+
+    def reasoning(self, sampling: common_pb2.SamplingParams) -> ReasoningFactory | None:
+        """The reasoning parser, for a chat whose output is free: a grammar (structured output, a forced tool call)
+        holds the output to its answer from the first token, which leaves it no thinking to read."""
+        if not self.reasoning_parser or sampling.HasField("structured_output"):
+            return None
+        return REASONING_PARSERS[self.reasoning_parser]
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:
@@ -271,10 +281,10 @@ def check_length(field: str, num_chars: int, max_model_len: int) -> None:
 def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str = "",
                body_timeout: float = BODY_TIMEOUT_S, lora_admin: LoraAdmin | None = None,
-               force_include_usage: bool = False) -> FastAPI:
+               force_include_usage: bool = False, reasoning_parser: str = "") -> FastAPI:
     """The OpenAI-compatible app over a streaming generate function and the models behind it."""
     server = OpenAIServer(generate, models, max_request_bytes, tool_call_parser, body_timeout, lora_admin,
-                          force_include_usage)
+                          force_include_usage, reasoning_parser)
     app = FastAPI(title="Ferry", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     if api_keys:

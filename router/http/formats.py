@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from protos import common_pb2, router_pb2
 from protos.finish_reasons import FINISH_REASON_NAMES
+from router.http.reasoning import ReasoningFactory, ReasoningParser, split_whole
 from router.http.served_models import ServedModel
 from router.http.tool_calls import ToolPlan, delta_json, finish_reason, parse_whole
 from router.http.tool_parsers import ParsedDelta, ToolParser
@@ -190,7 +191,10 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     tools: ToolPlan = field(default_factory=ToolPlan)
+    reasoning: ReasoningFactory | None = None   # the router's --reasoning-parser; none: the text is all content
+    include_reasoning: bool = True              # vLLM's: false leaves the reasoning out of the response
     parsers: dict[int, ToolParser] = field(default_factory=dict)   # by sample, while streaming
+    reasoners: dict[int, ReasoningParser] = field(default_factory=dict)
     calling: set[int] = field(default_factory=set)                 # the samples that made a call
 
     def token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -205,10 +209,14 @@ class ChatFormat(ResponseFormat):
                             for e in entries]}
 
     def final_choice(self, choice: Choice) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        reasoning, text = split_whole(self.reasoning(), choice.text) if self.reasoning else ("", choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning:
+            message["reasoning"] = (reasoning if self.include_reasoning else "") or None
+            message["content"] = text if text or not reasoning else None
         finish = choice.finish_reason
         if self.tools.calls_tools:
-            content, calls = parse_whole(self.tools.parser(), choice.text)
+            content, calls = parse_whole(self.tools.parser(), text)
             message["content"] = (content or None) if calls else content
             if calls:
                 message["tool_calls"] = calls
@@ -229,12 +237,29 @@ class ChatFormat(ResponseFormat):
                 "stop_reason": response.stop_reason or None}
 
     def parsed(self, response: router_pb2.GenerateResponse) -> ParsedDelta:
+        reasoning, text = self.split(response)
+        delta = self.tool_parsed(response, text)
+        delta.reasoning = reasoning if self.include_reasoning else ""
+        return delta
+
+    def split(self, response: router_pb2.GenerateResponse) -> tuple[str, str]:
+        """The response's text as (reasoning, content)."""
+        if self.reasoning is None:
+            return "", response.text
+        parser = self.reasoners.setdefault(response.index, self.reasoning())
+        reasoning, content = parser.feed(response.text)
+        if response.finish_reason:
+            more_reasoning, more_content = parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+    def tool_parsed(self, response: router_pb2.GenerateResponse, text: str) -> ParsedDelta:
         if not self.tools.calls_tools:
-            return ParsedDelta(response.text)
+            return ParsedDelta(text)
         if response.index not in self.parsers:
             self.parsers[response.index] = self.tools.parser()
         parser = self.parsers[response.index]
-        delta = parser.feed(response.text)
+        delta = parser.feed(text)
         return delta.merge(parser.finish()) if response.finish_reason else delta
 
     def opening_chunks(self, num_samples: int) -> list[dict[str, Any]]:

@@ -284,6 +284,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True     # vLLM's: false leaves the thinking out (with the router's --reasoning-parser)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:

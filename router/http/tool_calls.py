@@ -121,8 +121,11 @@ def parse_whole(parser: ToolParser, text: str) -> tuple[str, list[dict[str, Any]
 
 
 def delta_json(delta: ParsedDelta) -> dict[str, Any]:
-    """A stream chunk's `delta`: the content, and tool-call pieces (id, type and name on a call's first)."""
-    out: dict[str, Any] = {"content": delta.content} if delta.content else {}
+    """A stream chunk's `delta`: the reasoning, the content, and tool-call pieces (id, type and name on a call's
+    first)."""
+    out: dict[str, Any] = {"reasoning": delta.reasoning} if delta.reasoning else {}
+    if delta.content:
+        out["content"] = delta.content
     if delta.tool_calls:
         out["tool_calls"] = [call_delta_json(c) for c in delta.tool_calls]
     return out

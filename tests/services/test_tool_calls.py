@@ -6,21 +6,16 @@ The parsers alone, fed every cut of a stream: test_tool_parsers.py."""
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-import httpx
 import jsonschema
 import openai
 import pytest
 
 from protos import router_pb2, router_pb2_grpc
-from tests.conftest import build_tiny_tokenizer
-from tests.services_fixtures import (API_KEY, CHILD_ENV, HttpStack, free_port, greedy, start_services,
-                                     wait_for_health, wait_until)
+from tests.services_fixtures import API_KEY, HttpStack, build_scripted_model, greedy, start_http_stack
 from tests.unit.router.test_tool_parsers import HERMES_TEMPLATE
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {
@@ -40,70 +35,23 @@ SCRIPT = ["I will check. ", "<tool_call>\n", '{"name": "get_weather", ', '"argum
           '"arguments": {"hours_ahead": 2}}', "</tool_call>"]
 
 
-@contextmanager
-def http_stack(model_dir: Path, *router_flags: str, **scheduler_flags: str) -> Iterator[HttpStack]:
-    services = start_services(model_dir, num_schedulers=1, **scheduler_flags)
-    try:
-        grpc_port, http_port = free_port(), free_port()
-        services.stack.start([sys.executable, "-m", "router", "--port", str(grpc_port), "--redis-url",
-                              services.redis_url, "--http-port", str(http_port), "--api-key", API_KEY,
-                              *router_flags], "router with HTTP", env=CHILD_ENV)
-        wait_for_health(f"127.0.0.1:{grpc_port}", services.stack, timeout=60)
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200, "HTTP health")
-        yield HttpStack(services, f"http://127.0.0.1:{http_port}/v1", model_dir.name, f"127.0.0.1:{grpc_port}")
-    finally:
-        services.stop()
-
-
 @pytest.fixture(scope="module")
 def smollm() -> Iterator[HttpStack]:
     from gpu_worker.loading.model_files import default_model_dir
 
-    with http_stack(default_model_dir(), **{"--kv-cache-memory": str(200_000_000)}) as stack:
+    with start_http_stack(default_model_dir(), **{"--kv-cache-memory": str(200_000_000)}) as stack:
         yield stack
-
-
-def build_scripted_model(path: Path, script: list[str]) -> Path:
-    """A tiny Llama whose next token depends only on the current one, wired so that after any chat prompt it says
-    the script (each piece an added token) and ends: a real model through a real stack, with known output."""
-    import torch
-    from tokenizers import AddedToken
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = build_tiny_tokenizer(path)
-    tokenizer.add_tokens([AddedToken(piece, normalized=False) for piece in script])
-    tokenizer.chat_template = HERMES_TEMPLATE
-    tokenizer.save_pretrained(path)
-    prompt_end = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)[-1]
-    chain = [prompt_end, *tokenizer.convert_tokens_to_ids(script), tokenizer.eos_token_id]
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        layer = model.model.layers[0]
-        layer.self_attn.o_proj.weight.zero_()     # no attention, no MLP: the residual is the token's embedding
-        layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.normal_(0.0, 0.02)
-        model.lm_head.weight.zero_()
-        for i, (token, following) in enumerate(zip(chain, chain[1:])):
-            model.model.embed_tokens.weight[token] = 0.0
-            model.model.embed_tokens.weight[token, i] = 8.0     # RMS 1: the norm leaves it as it is
-            model.lm_head.weight[following, i] = 8.0
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 @pytest.fixture(scope="module")
 def scripted_dir(tmp_path_factory) -> Path:
-    return build_scripted_model(tmp_path_factory.mktemp("scripted-hermes"), SCRIPT)
+    return build_scripted_model(tmp_path_factory.mktemp("scripted-hermes"), SCRIPT, HERMES_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def hermes(scripted_dir) -> Iterator[HttpStack]:
     """No --tool-call-parser: the router sees `<tool_call>` in the chat template and reads Hermes calls."""
-    with http_stack(scripted_dir) as stack:
+    with start_http_stack(scripted_dir) as stack:
         yield stack
 
 
