@@ -26,6 +26,7 @@ MAX_LOGIT_BIAS = 100.0   # OpenAI's bound
 MAX_BAD_WORDS = 64
 MAX_ALLOWED_TOKEN_IDS = 1 << 18   # more than any vocabulary
 MAX_BAD_WORD_CHARS = 256
+MAX_THINKING_END_TOKENS = 16   # structured_output_after: a marker such as </think>, a token or a few
 
 WIRE = common_pb2.SamplingParams.DESCRIPTOR
 SCALAR_TYPES = {FieldDescriptor.TYPE_UINT32: int, FieldDescriptor.TYPE_INT32: int, FieldDescriptor.TYPE_UINT64: int,
@@ -100,6 +101,9 @@ class SamplingRules:
             raise ValueError(f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids, got {len(self.allowed_token_ids)}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if len(self.structured_output_after) > MAX_THINKING_END_TOKENS:
+            raise ValueError(f"structured_output_after must be at most {MAX_THINKING_END_TOKENS} token ids, got "
+                             f"{len(self.structured_output_after)}")
 
     def validate_logit_bias(self) -> None:
         check_logit_bias(self.logit_bias)

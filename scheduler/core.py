@@ -31,7 +31,7 @@ from protos import common_pb2, scheduler_pb2, worker_pb2
 from protos.block_hash import root_hash
 from scheduler.block_manager import BlockManager
 from scheduler.grammar_drafts import checked_proposals
-from scheduler.grammar_masks import StructuredOutputManager
+from scheduler.grammar_masks import StructuredOutputManager, thinking_end
 from scheduler.lora_adapters import LoraAdapters
 from scheduler.request_checks import check_new_request, check_resumed
 from scheduler.request_output import RequestOutput
@@ -120,7 +120,8 @@ class Scheduler:
         self.policy.on_arrival(tenancy)
         self.block_manager.announce(first)
         if params.structured_output is not None or params.bad_words:
-            self.structured.submit(request_id, params.structured_output, params.bad_words)
+            self.structured.submit(request_id, params.structured_output, params.bad_words,
+                                   thinking_end(params.structured_output_after, prompt_token_ids))
             self.compiling.append(first)
         elif held:
             self.held[request_id] = first

@@ -17,8 +17,8 @@ def checked_proposals(manager: StructuredOutputManager, seq_id: str, proposals: 
     row = manager.rows[seq_id]
     bad_words = copy.deepcopy(row.bad_words)
     masks = [manager.allowed(row, row.mask, bad_words)]   # row.mask stays until the step is built with these
-    if row.slow:      # its grammar fills masks slowly: not on the step loop's thread
-        return [], masks
+    if row.slow or row.thinking():   # slow: not on the step loop's thread; thinking: where the grammar starts is
+        return [], masks              # not known before the proposals are checked
     kept = []
     try:
         for token_id in proposals:

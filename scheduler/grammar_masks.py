@@ -72,6 +72,22 @@ class ConstrainedRow:
     started_at: float = 0.0              # when the task began running (0: still queued)
     slow: bool = False                   # its last task took longer than SLOW_FILL_S
     broken: bool = False                 # the grammar refused a sampled token, or its task ran too long
+    thinking_end: tuple[int, ...] = ()   # while the model thinks: the ids that end it, after which the grammar holds
+    thinking_tail: tuple[int, ...] = ()  # the last output ids while thinking (the end may span two calls)
+    first_mask: Any = None               # the grammar's mask at its start, for the first token after thinking
+
+    def thinking(self) -> bool:
+        return bool(self.thinking_end)
+
+    def thoughts_end(self, token_ids: list[int]) -> list[int] | None:
+        """The tokens after the end of thinking if these new ones hold it (the grammar's to take); None if not."""
+        seen, end = [*self.thinking_tail, *token_ids], self.thinking_end
+        for stop in range(len(self.thinking_tail) + 1, len(seen) + 1):
+            if tuple(seen[max(0, stop - len(end)):stop]) == end:
+                self.thinking_end = self.thinking_tail = ()
+                return seen[stop:]
+        self.thinking_tail = tuple(seen[len(seen) - len(end) + 1:]) if len(end) > 1 else ()
+        return None
 
     def filling(self) -> bool:
         return self.task is not None and not self.task.done()
@@ -96,12 +112,17 @@ class StructuredOutputManager:
         self.grammars: dict[str, CompiledConstraint] = {}   # request id -> its grammar
         self.json_requests: set[str] = set()
         self.request_bad_words: dict[str, list[tuple[int, ...]]] = {}   # request id -> its bad words' token ids
+        self.thinking_ends: dict[str, tuple[int, ...]] = {}   # request id -> the ids its model's thinking ends with
         self.rows: dict[str, ConstrainedRow] = {}
         self.broken: list[tuple[str, str]] = []   # (sequence, why) whose grammar refused a token or ran too long
 
     # --- compiles ------------------------------------------------------------------------------------
-    def submit(self, request_id: str, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = ()) -> None:
+    def submit(self, request_id: str, constraint: StructuredOutput | None, bad_words: tuple[str, ...] = (),
+               thinking_end: tuple[int, ...] = ()) -> None:
+        """thinking_end: the grammar constrains only what follows these ids in the output (a reasoning model's)."""
         preparation = Preparation(time.monotonic())
+        if thinking_end and constraint is not None:
+            self.thinking_ends[request_id] = tuple(thinking_end)
         if constraint is not None:
             preparation.grammar_key = spec_key(constraint)
             preparation.grammar = self.compilation.grammar(preparation.grammar_key, constraint)
@@ -174,7 +195,10 @@ class StructuredOutputManager:
             import xgrammar
 
             row.matcher = xgrammar.GrammarMatcher(self.grammars[request_id].grammar)
-            row.mask = self.grammars[request_id].first_mask
+            row.mask = row.first_mask = self.grammars[request_id].first_mask
+            row.thinking_end = self.thinking_ends.get(request_id, ())
+            if row.thinking():
+                row.mask = None   # nothing constrained until the thinking ends
         if token_ids:
             self.accept(seq_id, list(token_ids))
 
@@ -191,9 +215,17 @@ class StructuredOutputManager:
         row = self.rows[seq_id]
         for token_id in token_ids if row.bad_words is not None else ():
             row.bad_words.accept(token_id)
-        if row.matcher is not None:
-            row.mask, row.started_at = None, 0.0
-            row.task = (self.slow_fills if row.slow else self.fills).submit(self.advance, row, token_ids)
+        if row.matcher is None:
+            return
+        if row.thinking():
+            after = row.thoughts_end(token_ids)
+            if after is None:
+                return
+            row.mask, token_ids = row.first_mask, after
+            if not token_ids:
+                return
+        row.mask, row.started_at = None, 0.0
+        row.task = (self.slow_fills if row.slow else self.fills).submit(self.advance, row, token_ids)
 
     def advance(self, row: ConstrainedRow, token_ids: list[int]) -> Advance:
         """On a fill thread: the grammar takes the tokens and says what may follow."""
@@ -208,7 +240,7 @@ class StructuredOutputManager:
     def is_terminated(self, seq_id: str, token_id: int) -> bool:
         """Whether the token ends seq's grammar: a stop token its mask allowed (only where the grammar may end)."""
         row = self.rows.get(seq_id)
-        return row is not None and row.matcher is not None and token_id in self.stop_token_ids
+        return row is not None and row.matcher is not None and not row.thinking() and token_id in self.stop_token_ids
 
     # --- masks ---------------------------------------------------------------------------------------
     def wait_for_masks(self) -> None:
@@ -230,7 +262,8 @@ class StructuredOutputManager:
             return True
         if row.task is not None and row.task.done():
             self.take_advance(seq_id, row)
-        return row.task is None and not row.broken and (row.matcher is None or row.mask is not None)
+        return row.task is None and not row.broken and (row.matcher is None or row.mask is not None
+                                                         or row.thinking())
 
     def take_advance(self, seq_id: str, row: ConstrainedRow) -> None:
         advance, row.task = row.task.result(), None
@@ -271,7 +304,7 @@ class StructuredOutputManager:
         mask = numpy.full((self.vocab_size + 31) // 32, -1, dtype=numpy.int32)   # all allowed
         if grammar_mask is not None:
             mask[:] = grammar_mask
-        if row.is_json:
+        if row.is_json and not row.thinking():
             # xgrammar 0.2.8 lets a length-bounded JSON string (maxLength) hold raw control characters, which
             # JSON forbids; compact JSON needs none outside strings either
             mask &= self.compilation.no_control_chars
@@ -285,8 +318,19 @@ class StructuredOutputManager:
         self.grammars.pop(request_id, None)
         self.json_requests.discard(request_id)
         self.request_bad_words.pop(request_id, None)
+        self.thinking_ends.pop(request_id, None)
         for seq_id in seq_ids:
             self.rows.pop(seq_id, None)
+
+
+def thinking_end(end_ids: tuple[int, ...], prompt_token_ids: list[int]) -> tuple[int, ...]:
+    """What a grammar waits for in the output before it constrains: a reasoning model's end of thinking, unless the
+    prompt holds it already (a template that closed the thinking: Qwen3's enable_thinking false; vLLM's check)."""
+    end = list(end_ids)
+    if not end or any(token_id == end[0] and prompt_token_ids[i:i + len(end)] == end
+                      for i, token_id in enumerate(prompt_token_ids)):
+        return ()
+    return tuple(end)
 
 
 def clear_bits(row: Any, token_ids: list[int]) -> None:

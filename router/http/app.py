@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from base.errors import StatusError
-from protos import common_pb2, router_pb2
+from protos import router_pb2
 from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
@@ -27,7 +27,7 @@ from router.http.schema import (
 from router.http.scoring import RerankRequest, ScoreRequest, rerank_body, score_body
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.prompt_batches import all_started, batch_sse_events, merged_body
-from router.http.reasoning import REASONING_PARSERS, ReasoningFactory
+from router.http.reasoning import REASONING_PARSERS, THINK_END
 from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tokenization import DetokenizeRequest, TokenizeRequest
@@ -187,16 +187,12 @@ class OpenAIServer:
         tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
         generate_request = body.generate_request(request_id, model.route_name, max_tokens, prompt_ids)
         add_grammar(tools, generate_request.sampling)
+        reasoning = REASONING_PARSERS.get(self.reasoning_parser)
+        if reasoning and generate_request.sampling.HasField("structured_output"):   # it holds after the thinking
+            generate_request.sampling.structured_output_after.extend(model.tokenizer.encode(THINK_END))
         fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage, tools=tools,
-                         reasoning=self.reasoning(generate_request.sampling), include_reasoning=body.include_reasoning)
+                         reasoning=reasoning, include_reasoning=body.include_reasoning is not False)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
-
-    def reasoning(self, sampling: common_pb2.SamplingParams) -> ReasoningFactory | None:
-        """The reasoning parser, for a chat whose output is free: a grammar (structured output, a forced tool call)
-        holds the output to its answer from the first token, which leaves it no thinking to read."""
-        if not self.reasoning_parser or sampling.HasField("structured_output"):
-            return None
-        return REASONING_PARSERS[self.reasoning_parser]
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:

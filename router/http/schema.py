@@ -35,9 +35,11 @@ WIRE_TYPES = {FieldDescriptor.TYPE_UINT32: UINT32, FieldDescriptor.TYPE_INT32: I
 
 # The sampling fields whose HTTP name, shape or value is the API's own, declared by hand below: a negative seed,
 # stop as one string or a list, logit_bias keyed by strings, each API's logprobs, prompt_logprobs only for
-# completions, structured output as response_format, structured_outputs or guided_*, and an embedding only for
-# /v1/embeddings (router/http/embeddings.py).
-OWN_FIELDS = ("seed", "stop", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "return_embedding")
+# completions, structured output as response_format, structured_outputs or guided_*, an embedding only for
+# /v1/embeddings (router/http/embeddings.py), and where a reasoning model's grammar starts only from the router's
+# --reasoning-parser (router/http/app.py).
+OWN_FIELDS = ("seed", "stop", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "return_embedding",
+              "structured_output_after")
 PLAIN_FIELDS = tuple(name for name in SAMPLING_FIELDS if name not in OWN_FIELDS)
 
 
@@ -284,7 +286,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    include_reasoning: bool = True     # vLLM's: false leaves the thinking out (with the router's --reasoning-parser)
+    include_reasoning: bool | None = None   # vLLM's: false leaves the thinking out (with --reasoning-parser)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:

@@ -67,8 +67,26 @@ def test_streamed_reasoning_and_content_add_up_to_the_message(thinker, tools):
     assert arguments == (whole.tool_calls[0].function.arguments if tools else "")
 
 
-def test_without_the_parser_the_thinking_stays_in_the_content(thinker_dir):
+CHOICE = {"structured_outputs": {"choice": ["I will check. ", "No."]}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_structured_output_holds_the_answer_after_the_thinking(thinker, stream):
+    """vLLM's: the grammar starts after </think>, so the model thinks as it would and then answers to the grammar."""
+    if stream:
+        deltas = [c.choices[0].delta for c in chat(thinker, stream=True, extra_body=CHOICE) if c.choices]
+        reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = chat(thinker, extra_body=CHOICE).choices[0].message
+        reasoning, content = message.reasoning, message.content
+    assert reasoning == REASONING and content == "I will check. "   # the script's next piece is cut off
+
+
+def test_without_the_parser_the_thinking_stays_in_the_content_and_a_grammar_holds_from_the_start(thinker_dir):
     with start_http_stack(thinker_dir) as plain:
         message = chat(plain).choices[0].message
+        constrained = chat(plain, extra_body=CHOICE).choices[0].message
     assert getattr(message, "reasoning", None) is None
     assert message.content == "".join(THINKING + ANSWER)
+    assert constrained.content in CHOICE["structured_outputs"]["choice"]

@@ -40,6 +40,9 @@ PLACES = {
                   "scheduler/grammar_compilation.py", "scheduler/grammar_masks.py", "scheduler/grammar_drafts.py"},
     "return_embedding": {"gpu_worker/model_runner.py",            # gathers it (and keeps such rows out of graphs)
                          "router/http/embeddings.py", "router/http/schema.py"},   # asks for it; not on completions
+    "structured_output_after": {"base/sampling_params.py",        # its count check
+                                "scheduler/core.py",              # handed to the grammar with the prompt
+                                "router/http/app.py", "router/http/schema.py"},   # set by --reasoning-parser only
 }
 CANDIDATES = {int: [2, 3], float: [0.5, 1.5], bool: [True, False], tuple[str, ...]: [("x",)], tuple[int, ...]: [(3,)],
               dict[int, float]: [{3: 1.5}], StructuredOutput: [StructuredOutput("regex", "a+")]}
