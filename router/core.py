@@ -90,6 +90,7 @@ class Router:
     key_limiter: KeyLimiter | SharedKeyLimiter = field(default_factory=KeyLimiter)
     tenants: TenantDirectory = field(default_factory=TenantDirectory)
     tenant_admission: TenantAdmission = field(default_factory=TenantAdmission)
+    chat_template: str | None = None   # --chat-template, in place of each model's own
 
     def __post_init__(self) -> None:
         self.telemetry.metrics.watch_breakers(self.retries.states)
@@ -150,7 +151,7 @@ class Router:
         check_cache_salt(request.cache_salt)
         candidates = self.candidates(request.model)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
-        tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path)
+        tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path, self.chat_template)
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
         prompt_ids = truncated_prompt(prompt_ids, params.truncate_prompt_tokens, params.max_tokens,
                                       candidates[0].max_model_len)

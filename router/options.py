@@ -15,6 +15,7 @@ from router.kv_pull import KvPullOptions
 from router.limits import KeyLimits
 from router.policy import POLICIES
 from router.retry import RetryOptions
+from router.tokenizer import read_chat_template
 
 
 @dataclass
@@ -58,6 +59,8 @@ class RouterOptions:
     reuse_port: bool = no_flag(False)     # one of `--workers N`: the HTTP port is shared (gRPC's always may be)
     tool_call_parser: str = option("", 'the format "auto" tool calls are read in; empty: what the chat template '
                                        "shows", choices=sorted(PARSERS))
+    chat_template: str = option("", "a Jinja chat template (a file's path, or the template's text) used instead "
+                                    "of each model's own: for a model that has none (vLLM's flag)")
     reasoning_parser: str = option("", "chats' thinking (<think>...</think>) answered as the message's `reasoning`, "
                                        "apart from its content, read as this model family writes it; empty: all "
                                        "text is content", choices=sorted(REASONING_PARSERS))
@@ -65,3 +68,4 @@ class RouterOptions:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
+        read_chat_template(self.chat_template)   # a path that names no file, a template that does not compile

@@ -27,6 +27,7 @@ from router.router_telemetry import RouterTelemetry
 from router.shared_limits import key_limiter
 from router.tenant_admission import TenantAdmission
 from router.tenants import TENANT_HEADER, tenant_directory
+from router.tokenizer import read_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ async def serve(options: RouterOptions) -> int:
                     max_concurrent_requests=options.max_concurrent_requests, retries=RetryGovernor(options.retry),
                     stream_interval=options.stream_interval,
                     key_limiter=limiter, tenants=tenants,
-                    tenant_admission=TenantAdmission(options.shed_queued_requests))
+                    tenant_admission=TenantAdmission(options.shed_queued_requests),
+                    chat_template=read_chat_template(options.chat_template))
     http = None
     if options.http_port:
         http = await start_http(router, directory, options)
@@ -136,7 +138,8 @@ async def serve(options: RouterOptions) -> int:
 
 
 async def start_http(router: Router, directory: SchedulerDirectory, options: RouterOptions) -> HttpServer:
-    app = create_app(router.generate, models=directory_models(directory), api_keys=options.api_keys,
+    app = create_app(router.generate, models=directory_models(directory, router.chat_template),
+                     api_keys=options.api_keys,
                      max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser,
                      body_timeout=options.http_limits.body_timeout, lora_admin=LoraAdmin(directory),
                      force_include_usage=options.enable_force_include_usage,

@@ -36,12 +36,13 @@ def special_token_text(value) -> str:
 
 
 class RouterTokenizer:
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, chat_template: str | None = None):
+        """chat_template: the router's --chat-template, in place of the model's own."""
         path = Path(model_path)
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         config_file = path / "tokenizer_config.json"
         self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        self.chat_template = self.load_chat_template(path)
+        self.chat_template = chat_template or self.load_chat_template(path)
 
     def load_chat_template(self, path: Path) -> str | None:
         jinja_file = path / "chat_template.jinja"
@@ -117,12 +118,29 @@ def cut_at_final_message(rendered: str) -> str:
 _loading = threading.Lock()
 
 
-def load_tokenizer(model_path: str) -> RouterTokenizer:
+def load_tokenizer(model_path: str, chat_template: str | None = None) -> RouterTokenizer:
     """One tokenizer per model path; a burst of first requests loads it once, not once per request."""
     with _loading:
-        return cached_tokenizer(model_path)
+        return cached_tokenizer(model_path, chat_template)
 
 
 @lru_cache(maxsize=8)
-def cached_tokenizer(model_path: str) -> RouterTokenizer:
-    return RouterTokenizer(model_path)
+def cached_tokenizer(model_path: str, chat_template: str | None) -> RouterTokenizer:
+    return RouterTokenizer(model_path, chat_template)
+
+
+def read_chat_template(value: str) -> str | None:
+    """vLLM's --chat-template: a file's path, or the template's text itself; None when not given. Raises
+    ValueError for a path that names no file or a template that does not compile."""
+    if not value:
+        return None
+    path = Path(value)
+    if path.suffix in (".jinja", ".j2", ".txt") or "{" not in value:
+        if not path.is_file():
+            raise ValueError(f"--chat-template: no file {value}")
+        value = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not compile: {e}") from e
+    return value

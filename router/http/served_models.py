@@ -48,14 +48,16 @@ def byte_level_alphabet() -> dict[str, int]:
 UNICODE_TO_BYTE = byte_level_alphabet()
 
 
-def directory_models(directory: SchedulerDirectory) -> ModelsFn:
-    """The models the live schedulers serve, one entry per name."""
+def directory_models(directory: SchedulerDirectory, chat_template: str | None = None) -> ModelsFn:
+    """The models the live schedulers serve, one entry per name (chat_template: --chat-template, in place of
+    each one's own)."""
     def served() -> list[ServedModel]:
         models: dict[str, ServedModel] = {}
         for info in directory.schedulers():
             name = info.model or Path(info.model_path).name
             if name not in models and info.model_path:
-                models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path), info.max_model_len)
+                models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path, chat_template),
+                                           info.max_model_len)
                 for alias in info.model_aliases:
                     models.setdefault(alias, ServedModel(alias, info.model, models[name].tokenizer,
                                                          info.max_model_len, alias_of=name))
