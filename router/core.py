@@ -26,6 +26,7 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.detokenizer import IncrementalDetokenizer
 from router.disaggregation import prefill, rank_prefill, roles
 from router.discovery import SchedulerDirectory
+from router.generation_defaults import GenerationConfig, apply_defaults
 from router.kv_pull import KvPull
 from router.limits import KeyLease, KeyLimiter, OverLimit
 from router.policy import (
@@ -91,6 +92,7 @@ class Router:
     tenants: TenantDirectory = field(default_factory=TenantDirectory)
     tenant_admission: TenantAdmission = field(default_factory=TenantAdmission)
     chat_template: str | None = None   # --chat-template, in place of each model's own
+    generation_config: GenerationConfig = field(default_factory=GenerationConfig)   # sampling defaults
 
     def __post_init__(self) -> None:
         self.telemetry.metrics.watch_breakers(self.retries.states)
@@ -147,9 +149,10 @@ class Router:
                     ticket: TenantTicket, hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Validate and tokenize; admit it under its key's limits (`lease`), charging its prompt, and its tenant's
         (`ticket`); rank the schedulers; the request's responses from the one that takes it."""
+        candidates = self.candidates(request.model)
+        apply_defaults(request.sampling, self.generation_config.defaults(candidates[0].model_path))
         params = parse_sampling(request)
         check_cache_salt(request.cache_salt)
-        candidates = self.candidates(request.model)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path, self.chat_template)
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)

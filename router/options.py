@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from base.config import DRAIN_TIMEOUT_S
 from base.options import nested, no_flag, option
 from base.tls import TlsConfig
+from router.generation_defaults import GenerationConfig
 from router.http.body import MAX_REQUEST_BYTES
 from router.http.http_server import HttpLimits
 from router.http.reasoning import REASONING_PARSERS
@@ -61,6 +62,12 @@ class RouterOptions:
                                        "shows", choices=sorted(PARSERS))
     chat_template: str = option("", "a Jinja chat template (a file's path, or the template's text) used instead "
                                     "of each model's own: for a model that has none (vLLM's flag)")
+    generation_config: str = option("auto", "sampling defaults for what a request leaves unset: auto, the model's "
+                                            "generation_config.json (temperature, top_p, top_k, min_p, "
+                                            "repetition_penalty; max_new_tokens caps max_tokens); vllm, none; or a "
+                                            "folder holding one (vLLM's flag)")
+    override_generation_config: str = option("", "JSON: those defaults overridden or added, e.g. "
+                                                  '\'{"temperature": 0.5}\'')
     reasoning_parser: str = option("", "chats' thinking (<think>...</think>) answered as the message's `reasoning`, "
                                        "apart from its content, read as this model family writes it; empty: all "
                                        "text is content", choices=sorted(REASONING_PARSERS))
@@ -69,3 +76,7 @@ class RouterOptions:
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         read_chat_template(self.chat_template)   # a path that names no file, a template that does not compile
+        self.sampling_defaults().check()
+
+    def sampling_defaults(self) -> GenerationConfig:
+        return GenerationConfig(self.generation_config, self.override_generation_config)

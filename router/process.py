@@ -113,7 +113,8 @@ async def serve(options: RouterOptions) -> int:
                     stream_interval=options.stream_interval,
                     key_limiter=limiter, tenants=tenants,
                     tenant_admission=TenantAdmission(options.shed_queued_requests),
-                    chat_template=read_chat_template(options.chat_template))
+                    chat_template=read_chat_template(options.chat_template),
+                    generation_config=options.sampling_defaults())
     http = None
     if options.http_port:
         http = await start_http(router, directory, options)
