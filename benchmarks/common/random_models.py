@@ -36,7 +36,7 @@ LLAMA_SHAPES = {
 }
 
 
-def build_tiny_tokenizer(path: Path, vocab_size: int = 512):
+def build_tiny_tokenizer(path: Path, vocab_size: int = 512, chat_template: str = TINY_CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +49,7 @@ def build_tiny_tokenizer(path: Path, vocab_size: int = 512):
     tok.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>",
                                    unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
     return fast
 

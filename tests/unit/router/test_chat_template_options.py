@@ -22,9 +22,7 @@ def thinking_tokenizer_dir(tmp_path_factory):
     from tests.conftest import build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("thinking-tokenizer")
-    tokenizer = build_tiny_tokenizer(path)
-    tokenizer.chat_template = THINKING_TEMPLATE
-    tokenizer.save_pretrained(path)
+    build_tiny_tokenizer(path, chat_template=THINKING_TEMPLATE)
     return path
 
 

@@ -234,9 +234,7 @@ def hermes_tokenizer_dir(tmp_path_factory):
     from tests.conftest import build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("hermes-tokenizer")
-    tokenizer = build_tiny_tokenizer(path)
-    tokenizer.chat_template = HERMES_TEMPLATE
-    tokenizer.save_pretrained(path)
+    build_tiny_tokenizer(path, chat_template=HERMES_TEMPLATE)
     return path
 
 
