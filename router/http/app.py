@@ -190,8 +190,9 @@ class OpenAIServer:
         reasoning = REASONING_PARSERS.get(self.reasoning_parser)
         if reasoning and generate_request.sampling.HasField("structured_output"):   # it holds after the thinking
             generate_request.sampling.structured_output_after.extend(model.tokenizer.encode(THINK_END))
-        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage, tools=tools,
-                         reasoning=reasoning, include_reasoning=body.include_reasoning is not False)
+        fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage,
+                         tokens_as_ids=body.return_tokens_as_token_ids, tools=tools, reasoning=reasoning,
+                         include_reasoning=body.include_reasoning is not False)
         return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
@@ -227,7 +228,8 @@ async def completion_part(body: CompletionRequest, response_id: str, request_id:
     """One prompt's request, and the format of its answer (under response_id, a batch's shared id)."""
     generate_request = await completion_request(body, request_id, model)
     fmt = CompletionFormat(response_id, model, body.logprobs is not None, body.include_usage, body.continuous_usage,
-                           echo=body.echo_text(model.tokenizer), prompt_only=body.prompt_only,
+                           tokens_as_ids=body.return_tokens_as_token_ids, echo=body.echo_text(model.tokenizer),
+                           prompt_only=body.prompt_only,
                            want_prompt_logprobs=body.prompt_logprobs is not None)
     return generate_request, fmt
 

@@ -61,8 +61,16 @@ class ResponseFormat:
     want_logprobs: bool
     include_usage: bool = False
     continuous_usage: bool = False   # usage on every chunk (each response carries the request's so far)
+    tokens_as_ids: bool = False      # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
     usage: common_pb2.Usage | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def token_name(self, token_id: int) -> str:
+        """A token as logprobs show it: its text, or its id where its text would not tell it apart."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.model.token_text(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.token_name(token_id).encode()) if self.tokens_as_ids else self.model.token_bytes(token_id)
 
     def envelope(self, object_name: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created,
@@ -119,7 +127,7 @@ class CompletionFormat(ResponseFormat):
         """OpenAI's shape; with `unscored_first` the first entry is the prompt's first token, which has no logprob."""
         if not self.want_logprobs:
             return None
-        tokens = [self.model.token_text(e.token_id) for e in entries]
+        tokens = [self.token_name(e.token_id) for e in entries]
         offsets = []
         for token in tokens:
             offsets.append(offset)
@@ -132,7 +140,7 @@ class CompletionFormat(ResponseFormat):
                 "text_offset": offsets}
 
     def top_json(self, entry: common_pb2.TokenLogprob) -> dict[str, float]:
-        return {self.model.token_text(t.token_id): t.logprob for t in entry.top}
+        return {self.token_name(t.token_id): t.logprob for t in entry.top}
 
     def prompt_logprobs_json(self) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's shape: None for the first token, then {token id: {logprob, decoded_token}} for each token and
@@ -198,8 +206,7 @@ class ChatFormat(ResponseFormat):
     calling: set[int] = field(default_factory=set)                 # the samples that made a call
 
     def token_json(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self.model.token_text(token_id), "logprob": logprob,
-                "bytes": self.model.token_bytes(token_id)}
+        return {"token": self.token_name(token_id), "logprob": logprob, "bytes": self.token_bytes(token_id)}
 
     def logprobs_json(self, entries: list[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
         if not self.want_logprobs:

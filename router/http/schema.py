@@ -74,6 +74,7 @@ class SamplingRequest(PlainSamplingFields, RequestFields):
 
     stream: SWITCH = False
     stream_options: StreamOptions | None = None
+    return_tokens_as_token_ids: SWITCH = False   # vLLM's: logprobs name tokens "token_id:{id}"
     seed: SEED | None = None
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string) -> added to its logit

@@ -416,6 +416,26 @@ def test_chat_logprobs_with_top_logprobs_and_bytes(stack, reference):
     assert raw.decode("utf-8", errors="replace") == reference.tokenizer.decode(want_ids, skip_special_tokens=False)
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(stack, reference):
+    """vLLM's: tokens whose text does not tell them apart (half a character, say) named "token_id:{id}"."""
+    prompt = "Paris is the capital of"
+    want_ids, _ = reference.greedy(reference.encode(prompt), 6)
+    as_ids = {"return_tokens_as_token_ids": True}
+    completion = stack.client().completions.create(model=stack.model, prompt=prompt, max_tokens=6, temperature=0,
+                                                   logprobs=2, extra_body=as_ids).choices[0]
+    assert completion.logprobs.tokens == [f"token_id:{t}" for t in want_ids]
+    assert all(key.startswith("token_id:") for top in completion.logprobs.top_logprobs for key in top)
+    assert completion.text == reference.decode(want_ids)   # the text itself as ever
+    messages = [{"role": "user", "content": "Ünïcödé"}]
+    chat_ids, _ = reference.greedy(reference.chat_ids(messages), 6)
+    content = stack.client().chat.completions.create(model=stack.model, messages=messages, max_tokens=6,
+                                                     temperature=0, logprobs=True, top_logprobs=1,
+                                                     extra_body=as_ids).choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat_ids]
+    assert [bytes(c.bytes).decode() for c in content] == [c.token for c in content]
+    assert all(c.top_logprobs[0].token == c.token for c in content)   # greedy
+
+
 def split_stop_string(reference, prompt: str, max_tokens: int) -> tuple[str, str]:
     """A stop string that straddles two tokens of the greedy output, and that output's full text."""
     token_ids, _ = reference.greedy(reference.encode(prompt), max_tokens)
