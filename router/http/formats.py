@@ -253,7 +253,9 @@ class ChatFormat(ResponseFormat):
         """The response's text as (reasoning, content)."""
         if self.reasoning is None:
             return "", response.text
-        parser = self.reasoners.setdefault(response.index, self.reasoning())
+        if response.index not in self.reasoners:
+            self.reasoners[response.index] = self.reasoning()
+        parser = self.reasoners[response.index]
         reasoning, content = parser.feed(response.text)
         if response.finish_reason:
             more_reasoning, more_content = parser.finish()
