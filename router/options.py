@@ -62,10 +62,9 @@ class RouterOptions:
                                        "shows", choices=sorted(PARSERS))
     chat_template: str = option("", "a Jinja chat template (a file's path, or the template's text) used instead "
                                     "of each model's own: for a model that has none (vLLM's flag)")
-    generation_config: str = option("auto", "sampling defaults for what a request leaves unset: auto, the model's "
-                                            "generation_config.json (temperature, top_p, top_k, min_p, "
-                                            "repetition_penalty; max_new_tokens caps max_tokens); vllm, none; or a "
-                                            "folder holding one (vLLM's flag)")
+    generation_config: str = option("auto", "sampling defaults for what a request leaves unset: auto, those of the "
+                                            "model's generation_config.json, as vLLM reads it (its max_new_tokens "
+                                            "caps max_tokens); vllm, none; or a folder holding one (vLLM's flag)")
     override_generation_config: str = option("", "JSON: those defaults overridden or added, e.g. "
                                                   '\'{"temperature": 0.5}\'')
     reasoning_parser: str = option("", "chats' thinking (<think>...</think>) answered as the message's `reasoning`, "

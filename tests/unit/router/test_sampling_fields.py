@@ -21,11 +21,12 @@ SERVING = ["base", "protos", "router", "scheduler", "gpu_worker"]   # not its us
 DECLARED = {"protos/common.proto"}
 # Each field with a name no other code uses, and the files that honour it (what adding one such field touches)
 PLACES = {
-    "top_p": {"gpu_worker/sampling/sampler.py", "gpu_worker/cuda/device_memory.py"},
-    "min_p": {"gpu_worker/sampling/sampler.py"},
+    # the model's generation_config.json gives these defaults under the same names (router/generation_defaults.py)
+    "top_p": {"gpu_worker/sampling/sampler.py", "gpu_worker/cuda/device_memory.py", "router/generation_defaults.py"},
+    "min_p": {"gpu_worker/sampling/sampler.py", "router/generation_defaults.py"},
     "presence_penalty": {"gpu_worker/sampling/sampler.py"},
     "frequency_penalty": {"gpu_worker/sampling/sampler.py"},
-    "repetition_penalty": {"gpu_worker/sampling/sampler.py"},
+    "repetition_penalty": {"gpu_worker/sampling/sampler.py", "router/generation_defaults.py"},
     "stop_token_ids": {"base/sampling_params.py",                 # its count check
                        "gpu_worker/sampling/logit_masks.py", "scheduler/stopping.py", "scheduler/grammar_masks.py",
                        "scheduler/grammar_compilation.py",    # there: xgrammar's argument, the model's stop tokens
