@@ -149,10 +149,12 @@ class Router:
                     ticket: TenantTicket, hold: bool = False) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Validate and tokenize; admit it under its key's limits (`lease`), charging its prompt, and its tenant's
         (`ticket`); rank the schedulers; the request's responses from the one that takes it."""
-        candidates = self.candidates(request.model)
-        apply_defaults(request.sampling, self.generation_config.defaults(candidates[0].model_path))
-        params = parse_sampling(request)
+        params = parse_sampling(request)   # the request as sent: its own mistakes are named before anything else
         check_cache_salt(request.cache_salt)
+        candidates = self.candidates(request.model)
+        if defaults := self.generation_config.defaults(candidates[0].model_path):
+            apply_defaults(request.sampling, defaults)
+            params = parse_sampling(request)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
         tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path, self.chat_template)
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
