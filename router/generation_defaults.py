@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from base.sampling_params import SamplingParams
 from protos import common_pb2
 
-# generation_config.json's keys vLLM reads, and the sampling field each one fills
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty"}
+# generation_config.json's keys vLLM reads as defaults, each the sampling field of the same name
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_TOKENS_KEY = "max_new_tokens"
 
 
@@ -37,7 +36,12 @@ class GenerationConfig:
         """The defaults for a model's requests, by generation_config.json key."""
         folder = model_path if self.source == "auto" else "" if self.source == "vllm" else self.source
         found = read_defaults(folder) if folder else {}
-        return {**found, **parsed_overrides(self.overrides)}
+        return {**found, **self.parsed_overrides}
+
+    @cached_property
+    def parsed_overrides(self) -> dict[str, float | int]:
+        """Parsed once, not on every request."""
+        return parsed_overrides(self.overrides)
 
 
 def parsed_overrides(text: str) -> dict[str, float | int]:
@@ -73,9 +77,9 @@ def cached_defaults(folder: str) -> dict[str, float | int]:
 
 def apply_defaults(sampling: common_pb2.SamplingParams, defaults: dict[str, float | int]) -> None:
     """Fill the fields a request left unset; cap max_tokens by max_new_tokens (vLLM caps even a request's own)."""
-    for key, name in SAMPLING_KEYS.items():
-        if key in defaults and not sampling.HasField(name):
-            setattr(sampling, name, defaults[key] if key != "top_k" or defaults[key] > 0 else -1)   # 0: off
+    for key in SAMPLING_KEYS:
+        if key in defaults and not sampling.HasField(key):
+            setattr(sampling, key, defaults[key] if key != "top_k" or defaults[key] > 0 else -1)   # 0: off
     if MAX_TOKENS_KEY in defaults:
         asked = sampling.max_tokens if sampling.HasField("max_tokens") else SamplingParams().max_tokens
         sampling.max_tokens = min(asked, int(defaults[MAX_TOKENS_KEY]))
