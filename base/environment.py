@@ -49,6 +49,8 @@ VARIABLES: dict[str, Variable] = {
     "FERRY_CACHE_DIR": Variable("", "where converted models are kept; empty: ~/.cache/ferry", cache_dir),
     # the CPU worker's fast paths, each on unless 0 (to compare, or to rule one out)
     "FERRY_CPU_KERNELS": Variable("1", "the compiled CPU kernels (kernels/cpu_build.py)", switch),
+    "FERRY_CPU_PREFILL_KERNEL": Variable("1", "the CPU prefill attention kernel (else prefill rows go to the decode "
+                                              "kernel)", switch),
     "FERRY_CPU_HUGEPAGES": Variable("1", "transparent huge pages for the CPU KV pool", switch),
     "FERRY_CPU_PACKED_LINEAR": Variable("1", "prepacked fp32 linear weights on the CPU", switch),
     "FERRY_CPU_HEAP_CACHE": Variable("1", "glibc heap tuning that keeps freed activations cached", switch),

@@ -22,6 +22,8 @@ BENCHMARKS = {
                                                        "device's peak and dense SDPA (CUDA)"),
     "cpu-kernel": Bench("benchmarks.kernels.cpu_decode_bench", "the C++ CPU paged decode kernel against a baseline "
                                                                "revision of it and the torch paths"),
+    "cpu-prefill": Bench("benchmarks.kernels.cpu_prefill_bench", "the C++ CPU prefill attention kernel against "
+                                                                  "the decode kernel a query row at a time and torch"),
     "grammar-engines": Bench("benchmarks.kernels.grammar_engines", "xgrammar against llguidance: schema compile "
                                                                    "time, a batch's token bitmask per step"),
     # engine: the in-process Engine (scheduler and worker in one process)

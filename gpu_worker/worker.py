@@ -23,7 +23,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import model_class
 from gpu_worker.parallel.group import INIT, LOAD_ADAPTER, STEP, Followers, TensorParallel
 from gpu_worker.parallel.sharding import ShardedCheckpoint, check_shardable, shard_model, shard_shape
-from kernels import cpu_decode, cpu_layers, select_backend
+from kernels import cpu_decode, cpu_layers, cpu_prefill, select_backend
 from protos import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class Worker:
         backend = select_backend(req.attention_backend or "auto", device.type)
         if device.type == "cpu":
             cpu_decode.extension()   # built (or found in the cache) now, not in the first step
+            cpu_prefill.extension()
         # both backends share the pool layout, so the fused CPU ops may store K and V for either
         model.layer_ops = (cpu_layers.layer_ops() if device.type == "cpu" else None) or TorchLayerOps(backend.store_kv)
         eos = eos_token_ids(model_dir, hf_config)

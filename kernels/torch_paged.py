@@ -1,7 +1,8 @@
-"""Paged attention in torch: the CPU path. Decodes, and prefill chunks as one decode per query row, go to the
-C++ kernel (kernels/cpu_decode.py), which reads the pool in place, when it could be built. Without it decodes
-take one gather of every context and one SDPA call, and prefill chunks are attended one sequence at a time with
-batched matmuls, unpadded.
+"""Paged attention in torch: the CPU path. Decodes go to the C++ decode kernel (kernels/cpu_decode.py) and prefill
+chunks to the C++ prefill kernel (kernels/cpu_prefill.py), which read the pool in place, when they could be built;
+without the prefill kernel (no vector path) prefill chunks go to the decode kernel as one decode per query row.
+Without the decode kernel decodes take one gather of every context and one SDPA call, and prefill chunks are
+attended one sequence at a time with batched matmuls, unpadded.
 
 The per-step work (gather indices and masks from block tables) is done once by prepare(); every layer then
 calls attend() with that metadata. A sliding window (each query sees its last `window` positions, itself
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kernels import cpu_decode, cpu_prefill
 
 
 @dataclass
@@ -25,6 +26,19 @@ class PrefillChunk:
     rows: slice
     kv_slots: torch.Tensor            # [context] flat slot of each context token
     blocked: torch.Tensor             # [query_len, context] True = may not attend (a later position)
+
+
+@dataclass
+class PrefillPlan:
+    """A step with prefill chunks, for the C++ kernels: the sequences with several new tokens go to the prefill
+    kernel, those with one (decodes) to the decode kernel."""
+    block_tables: torch.Tensor        # the prefill chunks' sequences
+    query_starts: torch.Tensor        # the first query row of each in the packed query
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    decode_rows: torch.Tensor | None  # the decodes' query rows (None: no decodes)
+    decode_tables: torch.Tensor | None
+    decode_lens: torch.Tensor | None
 
 
 @dataclass
@@ -37,6 +51,7 @@ class PagedMetadata:
     block_tables: torch.Tensor | None = None  # for the C++ decode kernel
     context_lens: torch.Tensor | None = None
     window: int = 0                           # the C++ kernel's sliding window (0: none)
+    prefill: PrefillPlan | None = None        # for the C++ prefill kernel
 
 
 def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
@@ -46,6 +61,9 @@ def prepare(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: 
     num_seqs = block_tables.shape[0]
     max_query_len = int(query_lens.max())
     if not masked and device.type == "cpu" and cpu_decode.extension() is not None:
+        if max_query_len > 1 and cpu_prefill.extension() is not None:
+            return PagedMetadata(num_seqs, max_query_len, None, None, window=window,
+                                 prefill=prefill_plan(block_tables, context_lens, query_lens))
         if max_query_len > 1:
             block_tables, context_lens = query_rows_as_decodes(block_tables, context_lens, query_lens)
         return PagedMetadata(int(context_lens.shape[0]), 1, None, None, None, block_tables, context_lens, window)
@@ -71,6 +89,18 @@ def context_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_siz
     positions = positions.expand(block_tables.shape[0], -1)
     blocks = block_tables.long().gather(1, positions // block_size)
     return blocks * block_size + positions % block_size
+
+
+def prefill_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor) -> PrefillPlan:
+    query_lens = query_lens.long()
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    chunks = (query_lens > 1).nonzero().squeeze(1)
+    decodes = (query_lens == 1).nonzero().squeeze(1)
+    if not decodes.numel():
+        return PrefillPlan(block_tables[chunks], starts[chunks], query_lens[chunks], context_lens[chunks], None, None,
+                           None)
+    return PrefillPlan(block_tables[chunks], starts[chunks], query_lens[chunks], context_lens[chunks],
+                       starts[decodes], block_tables[decodes], context_lens[decodes])
 
 
 def query_rows_as_decodes(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor
@@ -111,6 +141,8 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
            scale: float, softcap: float = 0.0) -> torch.Tensor:
     """query [num_tokens, H, D] packed per sequence → [num_tokens, H, D]. softcap needs metadata from
     prepare(masked=True)."""
+    if meta.prefill is not None:
+        return attend_prefill_plan(query, k_cache, v_cache, meta.prefill, scale, meta.window)
     if meta.prefill_chunks is not None:
         return torch.cat([attend_prefill_chunk(query[c.rows], k_cache, v_cache, c, scale, softcap)
                           for c in meta.prefill_chunks])
@@ -129,6 +161,17 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, scale=scale)
     return out.reshape(meta.num_seqs, num_heads, head_dim)
+
+
+def attend_prefill_plan(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan,
+                        scale: float, window: int) -> torch.Tensor:
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    cpu_prefill.paged_prefill(query, k_cache, v_cache, plan.block_tables, plan.query_starts, plan.query_lens,
+                              plan.context_lens, scale, window, out)
+    if plan.decode_rows is not None:
+        out[plan.decode_rows] = cpu_decode.paged_decode(query[plan.decode_rows], k_cache, v_cache, plan.decode_tables,
+                                                        plan.decode_lens, scale, window=window)
+    return out
 
 
 def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,

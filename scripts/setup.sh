@@ -60,6 +60,6 @@ log "preparing the default model"
 "$VENV/bin/python" -c "from gpu_worker.loading.model_files import resolve_model_dir
 print('[setup] model:', resolve_model_dir(''))" >&2
 log "building the C++ CPU kernels (cached after the first build)"
-"$VENV/bin/python" -c "from kernels import cpu_decode, cpu_layers, cpu_moe, cpu_quant
-for kernel in (cpu_decode, cpu_layers, cpu_moe, cpu_quant): kernel.extension()"
+"$VENV/bin/python" -c "from kernels import cpu_decode, cpu_layers, cpu_moe, cpu_prefill, cpu_quant
+for kernel in (cpu_decode, cpu_layers, cpu_moe, cpu_prefill, cpu_quant): kernel.extension()"
 log "done: $VENV/bin/ferry is ready"

@@ -23,7 +23,9 @@ namespace ferry {
   static Vec min(Vec a, Vec b) { return PREFIX##_min_ps(a, b); }                            \
   static Vec max(Vec a, Vec b) { return PREFIX##_max_ps(a, b); }                            \
   static Vec fmadd(Vec a, Vec b, Vec c) { return PREFIX##_fmadd_ps(a, b, c); }   /* a b + c */ \
-  static Vec fnmadd(Vec a, Vec b, Vec c) { return PREFIX##_fnmadd_ps(a, b, c); } /* c - a b */
+  static Vec fnmadd(Vec a, Vec b, Vec c) { return PREFIX##_fnmadd_ps(a, b, c); } /* c - a b */ \
+  static Vec load(const float* p) { return PREFIX##_loadu_ps(p); }                         \
+  static void store(float* p, Vec a) { PREFIX##_storeu_ps(p, a); }
 #endif
 
 #if FERRY_AVX512

@@ -91,6 +91,17 @@ def test_roofline_bench_counts_a_decode_steps_arithmetic(tiny_llama_dir):
     assert result["step_over_limit"] == pytest.approx(result["step_ms"] / limit_ms, rel=0.05)
 
 
+def test_cpu_prefill_bench_times_every_path_on_the_same_chunks_and_they_agree():
+    result = run_bench("cpu-prefill", "--chunks", "40,7", "--cached", "9", "--num-heads", "4", "--num-kv-heads", "2",
+                       "--head-dim", "32", "--rounds", "2")
+    seen = sum(range(9 + 1, 49 + 1)) + sum(range(9 + 1, 16 + 1))
+    assert result["gflop"] == round(4 * 4 * 32 * seen / 1e9, 4)
+    assert "torch" in result["ms"] and set(result["ms"]) == set(result["gflop_s"])
+    assert all(difference < 1e-4 for difference in result["max_abs_difference"].values())
+    if "prefill kernel" in result["ms"]:
+        assert set(result["prefill kernel speed-up"]) == set(result["ms"]) - {"prefill kernel"}
+
+
 def test_memory_bench_shows_paged_kv_holding_more_sequences(tiny_llama_dir, tmp_path):
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps([{"prompt_token_ids": list(range(5, 45)), "max_tokens": 20}] * 12))
