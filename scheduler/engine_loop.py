@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -63,18 +64,27 @@ CONTENDED_MEMORY_S = 10.0   # how long after its policy was last contended the l
 @dataclass
 class BuildCost:
     """What the worker would wait, were each step built after the last one's result: the loop's time from a result
-    to the next step sent (update and schedule), against the worker's time in a step; moving averages."""
-    host_seconds: float = 0.0
-    busy_seconds: float = 0.0
-    smoothing: float = 0.1
+    to the next step sent (update and schedule), against the worker's time in a step; medians of the last `window`
+    steps, so that one slow build (a first step's cold paths, a collection, the core lent elsewhere a moment) does not
+    flip how steps are built for the many after it, as a moving average's long tail would."""
+    window: int = 16
     small_share: float = 0.05    # of a step: what waiting for the build may cost the worker at most
+    hosts: deque = field(default_factory=deque)
+    busies: deque = field(default_factory=deque)
 
     def observe(self, host_seconds: float, busy_seconds: float) -> None:
-        if not self.busy_seconds:
-            self.host_seconds, self.busy_seconds = host_seconds, busy_seconds
-            return
-        self.host_seconds += self.smoothing * (host_seconds - self.host_seconds)
-        self.busy_seconds += self.smoothing * (busy_seconds - self.busy_seconds)
+        for seen, seconds in ((self.hosts, host_seconds), (self.busies, busy_seconds)):
+            seen.append(seconds)
+            if len(seen) > self.window:
+                seen.popleft()
+
+    @property
+    def host_seconds(self) -> float:
+        return statistics.median(self.hosts) if self.hosts else 0.0
+
+    @property
+    def busy_seconds(self) -> float:
+        return statistics.median(self.busies) if self.busies else 0.0
 
     def small(self) -> bool:
         return 0 < self.host_seconds <= self.small_share * self.busy_seconds
