@@ -96,11 +96,8 @@ def prefill_plan(block_tables: torch.Tensor, context_lens: torch.Tensor, query_l
     starts = torch.cumsum(query_lens, 0) - query_lens
     chunks = (query_lens > 1).nonzero().squeeze(1)
     decodes = (query_lens == 1).nonzero().squeeze(1)
-    if not decodes.numel():
-        return PrefillPlan(block_tables[chunks], starts[chunks], query_lens[chunks], context_lens[chunks], None, None,
-                           None)
-    return PrefillPlan(block_tables[chunks], starts[chunks], query_lens[chunks], context_lens[chunks],
-                       starts[decodes], block_tables[decodes], context_lens[decodes])
+    decode_fields = (starts[decodes], block_tables[decodes], context_lens[decodes]) if decodes.numel() else (None,) * 3
+    return PrefillPlan(block_tables[chunks], starts[chunks], query_lens[chunks], context_lens[chunks], *decode_fields)
 
 
 def query_rows_as_decodes(block_tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor

@@ -327,7 +327,8 @@ Shape make_shape(const torch::Tensor& query, const torch::Tensor& k_cache, const
 }
 
 std::vector<Seq> read_seqs(const torch::Tensor& block_tables, const torch::Tensor& query_starts,
-                           const torch::Tensor& query_lens, const torch::Tensor& context_lens, int64_t num_rows) {
+                           const torch::Tensor& query_lens, const torch::Tensor& context_lens, int64_t num_rows,
+                           int64_t block_size) {
   const int64_t num_seqs = query_starts.numel();
   const int64_t* starts = query_starts.data_ptr<int64_t>();
   const int64_t* lens = query_lens.data_ptr<int64_t>();
@@ -337,6 +338,7 @@ std::vector<Seq> read_seqs(const torch::Tensor& block_tables, const torch::Tenso
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] >= 1 && lens[s] <= contexts[s], "each query length must be in [1, its context length]");
     TORCH_CHECK(starts[s] >= 0 && starts[s] + lens[s] <= num_rows, "query rows out of range");
+    TORCH_CHECK(contexts[s] <= width * block_size, "a context length past its block table's blocks");
     seqs.push_back({starts[s], lens[s], contexts[s], block_tables.data_ptr<int32_t>() + s * width});
   }
   return seqs;
@@ -369,7 +371,8 @@ void paged_prefill(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(block_tables.size(0) == query_starts.numel() && query_lens.numel() == query_starts.numel() &&
               context_lens.numel() == query_starts.numel(), "one table, start and length a sequence");
   const Shape shape = make_shape(query, k_cache, v_cache, scale, window);
-  const std::vector<Seq> seqs = read_seqs(block_tables, query_starts, query_lens, context_lens, query.size(0));
+  const std::vector<Seq> seqs = read_seqs(block_tables, query_starts, query_lens, context_lens, query.size(0),
+                                             k_cache.size(1));
   const std::vector<Item> items = plan_items(seqs, shape);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_prefill", [&] {
     run_items<scalar_t>(seqs, items, shape, k_cache, v_cache, query, out);

@@ -106,6 +106,15 @@ def test_a_query_longer_than_its_context_is_refused():
                                   torch.tensor([8]), 0.2, 0, torch.empty_like(query))
 
 
+def test_a_context_past_its_block_table_is_refused():
+    generator = torch.Generator().manual_seed(4)
+    k_cache, v_cache, tables = scattered_pool([8], 1, 32, torch.float32, generator)   # 3 blocks of 16 a table
+    query = torch.randn(4, 1, 32, generator=generator)
+    with pytest.raises(RuntimeError, match="past its block table"):
+        cpu_prefill.paged_prefill(query, k_cache, v_cache, tables, torch.tensor([0]), torch.tensor([4]),
+                                  torch.tensor([49]), 0.2, 0, torch.empty_like(query))
+
+
 def test_without_it_prefill_rows_go_to_the_decode_kernel_with_the_same_result(monkeypatch):
     generator = torch.Generator().manual_seed(5)
     contexts, query_lens = [70, 12, 33], [70, 1, 20]
