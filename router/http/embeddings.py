@@ -68,8 +68,15 @@ async def embedding_of(responses: AsyncIterator[router_pb2.GenerateResponse]) ->
     return embedding, prompt_tokens
 
 
-def embeddings_body(results: list[tuple[list[float], int]], model: str, encoding_format: str) -> dict[str, Any]:
-    prompt_tokens = sum(tokens for _, tokens in results)
+Embedded = list[tuple[list[float], int]]   # each text's embedding and its token count, in order
+
+
+def tokens_of(embedded: Embedded) -> int:
+    return sum(tokens for _, tokens in embedded)
+
+
+def embeddings_body(results: Embedded, model: str, encoding_format: str) -> dict[str, Any]:
+    prompt_tokens = tokens_of(results)
     return {"object": "list", "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": encoded(vector, encoding_format)}
                      for i, (vector, _) in enumerate(results)],

@@ -6,10 +6,8 @@ import time
 import uuid
 from typing import Any
 
-from router.http.embeddings import NONEMPTY_TEXT, TEXTS, EmbeddingRequest
+from router.http.embeddings import NONEMPTY_TEXT, TEXTS, Embedded, EmbeddingRequest, tokens_of
 from router.http.schema import UINT32, RequestFields
-
-Embedded = list[tuple[list[float], int]]   # each text's embedding and its token count, in order
 
 
 class ScoringRequest(RequestFields):
@@ -59,7 +57,7 @@ def cosine(a: list[float], b: list[float]) -> float:
 def score_body(request: ScoreRequest, embedded: Embedded, model: str) -> dict[str, Any]:
     data = [{"index": i, "object": "score", "score": cosine(embedded[a][0], embedded[b][0])}
             for i, (a, b) in enumerate(request.pairs())]
-    tokens = sum(count for _, count in embedded)
+    tokens = tokens_of(embedded)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -70,4 +68,4 @@ def rerank_body(request: RerankRequest, embedded: Embedded, model: str) -> dict[
     results = sorted(({"index": i, "document": {"text": text}, "relevance_score": cosine(query, embedded[1 + i][0])}
                       for i, text in enumerate(request.documents)), key=lambda r: -r["relevance_score"])
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results[:request.top_n or None],
-            "usage": {"total_tokens": sum(count for _, count in embedded)}}
+            "usage": {"total_tokens": tokens_of(embedded)}}
