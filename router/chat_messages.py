@@ -23,13 +23,19 @@ class TemplateOptions:
 def chat_template_inputs(chat: router_pb2.ChatMessages) -> tuple[list[dict], list[dict] | None, TemplateOptions]:
     """The messages, tools and options a chat template takes, as transformers' apply_chat_template gets them."""
     tools = parsed_json(chat.tools, list, "chat tools", "a JSON list") if chat.tools else None
-    variables = parsed_json(chat.template_kwargs, dict, "chat_template_kwargs",
-                            "a JSON object") if chat.template_kwargs else {}
-    if reserved := sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys()):
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do")
+    variables = template_variables(chat.template_kwargs, "chat_template_kwargs")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     options = TemplateOptions(variables, add_generation_prompt, chat.continue_final_message)
     return [template_message(m) for m in chat.messages], tools, options
+
+
+def template_variables(text: str, what: str) -> dict:
+    """A JSON object of further variables for the template (empty text: none); ValueError naming `what` for one
+    that is not, or that sets a variable Ferry gives the template itself."""
+    variables = parsed_json(text, dict, what, "a JSON object") if text else {}
+    if reserved := sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys()):
+        raise ValueError(f"{what} may not set {', '.join(reserved)}: the request's own fields do")
+    return variables
 
 
 def parsed_json(text: str, kind: type, what: str, shape: str):

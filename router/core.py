@@ -40,7 +40,7 @@ from router.shared_limits import SharedKeyLimiter
 from router.stream_state import SampleState, StreamState
 from router.tenant_admission import TenantAdmission, TenantTicket
 from router.tenants import Tenant, TenantDirectory
-from router.tokenizer import RouterTokenizer, load_tokenizer
+from router.tokenizer import ChatTemplating, RouterTokenizer, load_tokenizer
 from router.upstream import SchedulerConnection, UpstreamError
 
 JOIN_WAIT_S = 2.0     # how long a failed request looks for a scheduler it has not tried before it fails
@@ -91,7 +91,7 @@ class Router:
     key_limiter: KeyLimiter | SharedKeyLimiter = field(default_factory=KeyLimiter)
     tenants: TenantDirectory = field(default_factory=TenantDirectory)
     tenant_admission: TenantAdmission = field(default_factory=TenantAdmission)
-    chat_template: str | None = None   # --chat-template, in place of each model's own
+    chat_templating: ChatTemplating = field(default_factory=ChatTemplating)   # --chat-template and its kwargs
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)   # sampling defaults
 
     def __post_init__(self) -> None:
@@ -156,7 +156,7 @@ class Router:
             apply_defaults(request.sampling, defaults)
             params = parse_sampling(request)
         num_chars = check_prompt_length(request, candidates[0].max_model_len)   # before any tokenizing
-        tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path, self.chat_template)
+        tokenizer = await asyncio.to_thread(load_tokenizer, candidates[0].model_path, self.chat_templating)
         prompt_ids = await off_the_loop_if_long(num_chars, prompt_token_ids, request, tokenizer)
         prompt_ids = truncated_prompt(prompt_ids, params.truncate_prompt_tokens, params.max_tokens,
                                       candidates[0].max_model_len)

@@ -16,7 +16,7 @@ from router.kv_pull import KvPullOptions
 from router.limits import KeyLimits
 from router.policy import POLICIES
 from router.retry import RetryOptions
-from router.tokenizer import read_chat_template
+from router.tokenizer import ChatTemplating
 
 
 @dataclass
@@ -62,6 +62,9 @@ class RouterOptions:
                                        "shows", choices=sorted(PARSERS))
     chat_template: str = option("", "a Jinja chat template (a file's path, or the template's text) used instead "
                                     "of each model's own: for a model that has none (vLLM's flag)")
+    default_chat_template_kwargs: str = option("", "JSON: the chat template's variables for a request that does not "
+                                                    "set them in its chat_template_kwargs, e.g. "
+                                                    "'{\"enable_thinking\": false}' (vLLM's flag)")
     generation_config: str = option("auto", "sampling defaults for what a request leaves unset: auto, those of the "
                                             "model's generation_config.json, as vLLM reads it (its max_new_tokens "
                                             "caps max_tokens); vllm, none; or a folder holding one (vLLM's flag)")
@@ -74,8 +77,11 @@ class RouterOptions:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
-        read_chat_template(self.chat_template)   # a path that names no file, a template that does not compile
+        self.chat_templating()   # a path that names no file, a template that does not compile, kwargs not JSON
         self.sampling_defaults().check()
+
+    def chat_templating(self) -> ChatTemplating:
+        return ChatTemplating.from_flags(self.chat_template, self.default_chat_template_kwargs)
 
     def sampling_defaults(self) -> GenerationConfig:
         return GenerationConfig(self.generation_config, self.override_generation_config)

@@ -27,7 +27,6 @@ from router.router_telemetry import RouterTelemetry
 from router.shared_limits import key_limiter
 from router.tenant_admission import TenantAdmission
 from router.tenants import TENANT_HEADER, tenant_directory
-from router.tokenizer import read_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ async def serve(options: RouterOptions) -> int:
                     stream_interval=options.stream_interval,
                     key_limiter=limiter, tenants=tenants,
                     tenant_admission=TenantAdmission(options.shed_queued_requests),
-                    chat_template=read_chat_template(options.chat_template),
+                    chat_templating=options.chat_templating(),
                     generation_config=options.sampling_defaults())
     http = None
     if options.http_port:
@@ -139,7 +138,7 @@ async def serve(options: RouterOptions) -> int:
 
 
 async def start_http(router: Router, directory: SchedulerDirectory, options: RouterOptions) -> HttpServer:
-    app = create_app(router.generate, models=directory_models(directory, router.chat_template),
+    app = create_app(router.generate, models=directory_models(directory, router.chat_templating),
                      api_keys=options.api_keys,
                      max_request_bytes=options.max_request_bytes, tool_call_parser=options.tool_call_parser,
                      body_timeout=options.http_limits.body_timeout, lora_admin=LoraAdmin(directory),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -17,7 +18,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from router.chat_messages import TemplateOptions
+from router.chat_messages import TemplateOptions, template_variables
 from router.prompt_length import LONG_PROMPT_CHARS
 
 
@@ -35,14 +36,29 @@ def special_token_text(value) -> str:
     return value or ""
 
 
+@dataclass(frozen=True)
+class ChatTemplating:
+    """How the router renders every model's chats (vLLM's flags): --chat-template, in place of each model's own,
+    and --default-chat-template-kwargs, the template variables of a request that does not set them."""
+    template: str | None = None
+    default_kwargs: str = ""   # a JSON object's text: hashable, as tokenizers are cached by it
+
+    @staticmethod
+    def from_flags(chat_template: str, default_kwargs: str) -> ChatTemplating:
+        """ValueError naming the flag that cannot be read."""
+        template_variables(default_kwargs, "--default-chat-template-kwargs")
+        return ChatTemplating(read_chat_template(chat_template), default_kwargs)
+
+
 class RouterTokenizer:
-    def __init__(self, model_path: str, chat_template: str | None = None):
-        """chat_template: the router's --chat-template, in place of the model's own."""
+    def __init__(self, model_path: str, templating: ChatTemplating = ChatTemplating()):
         path = Path(model_path)
         self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         config_file = path / "tokenizer_config.json"
         self.config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        self.chat_template = chat_template or self.load_chat_template(path)
+        self.chat_template = templating.template or self.load_chat_template(path)
+        self.default_template_variables = template_variables(templating.default_kwargs,
+                                                             "--default-chat-template-kwargs")
 
     def load_chat_template(self, path: Path) -> str | None:
         jinja_file = path / "chat_template.jinja"
@@ -82,7 +98,7 @@ class RouterTokenizer:
             messages = tagged_final_message(messages)
         try:
             rendered = self.compiled_chat_template.render(
-                **options.variables, messages=messages, tools=tools,
+                **{**self.default_template_variables, **options.variables}, messages=messages, tools=tools,
                 add_generation_prompt=options.add_generation_prompt,
                 bos_token=special_token_text(self.config.get("bos_token")),
                 eos_token=special_token_text(self.config.get("eos_token")))
@@ -118,15 +134,15 @@ def cut_at_final_message(rendered: str) -> str:
 _loading = threading.Lock()
 
 
-def load_tokenizer(model_path: str, chat_template: str | None = None) -> RouterTokenizer:
+def load_tokenizer(model_path: str, templating: ChatTemplating = ChatTemplating()) -> RouterTokenizer:
     """One tokenizer per model path; a burst of first requests loads it once, not once per request."""
     with _loading:
-        return cached_tokenizer(model_path, chat_template)
+        return cached_tokenizer(model_path, templating)
 
 
 @lru_cache(maxsize=8)
-def cached_tokenizer(model_path: str, chat_template: str | None) -> RouterTokenizer:
-    return RouterTokenizer(model_path, chat_template)
+def cached_tokenizer(model_path: str, templating: ChatTemplating) -> RouterTokenizer:
+    return RouterTokenizer(model_path, templating)
 
 
 def read_chat_template(value: str) -> str | None:

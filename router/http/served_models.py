@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import decoders
 
 from router.discovery import SchedulerDirectory
-from router.tokenizer import RouterTokenizer, load_tokenizer
+from router.tokenizer import ChatTemplating, RouterTokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,14 @@ def byte_level_alphabet() -> dict[str, int]:
 UNICODE_TO_BYTE = byte_level_alphabet()
 
 
-def directory_models(directory: SchedulerDirectory, chat_template: str | None = None) -> ModelsFn:
-    """The models the live schedulers serve, one entry per name (chat_template: --chat-template, in place of
-    each one's own)."""
+def directory_models(directory: SchedulerDirectory, templating: ChatTemplating = ChatTemplating()) -> ModelsFn:
+    """The models the live schedulers serve, one entry per name, their chats rendered as `templating` says."""
     def served() -> list[ServedModel]:
         models: dict[str, ServedModel] = {}
         for info in directory.schedulers():
             name = info.model or Path(info.model_path).name
             if name not in models and info.model_path:
-                models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path, chat_template),
+                models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path, templating),
                                            info.max_model_len)
                 for alias in info.model_aliases:
                     models.setdefault(alias, ServedModel(alias, info.model, models[name].tokenizer,

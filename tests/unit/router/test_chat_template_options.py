@@ -7,7 +7,7 @@ import pytest
 from protos import router_pb2
 from router.chat_messages import chat_template_inputs
 from router.http.schema import ChatCompletionRequest
-from router.tokenizer import RouterTokenizer
+from router.tokenizer import ChatTemplating, RouterTokenizer
 
 # Qwen3's shape: thinking on unless the request's enable_thinking says otherwise, and the last message trimmed
 THINKING_TEMPLATE = (
@@ -93,3 +93,25 @@ def test_continue_final_message_without_a_last_message_to_continue_is_refused(th
     with pytest.raises(ValueError, match="continue_final_message"):
         RouterTokenizer(str(thinking_tokenizer_dir)).render_chat(*chat_template_inputs(
             router_pb2.ChatMessages(continue_final_message=True)))
+
+
+@pytest.mark.parametrize("fields, thinks", [({}, False), ({"chat_template_kwargs": {"enable_thinking": True}}, True)])
+def test_default_template_kwargs_hold_where_the_request_sets_none_and_the_request_wins(thinking_tokenizer_dir,
+                                                                                      fields, thinks):
+    """--default-chat-template-kwargs '{"enable_thinking": false}': thinking off unless the request turns it on."""
+    tokenizer = RouterTokenizer(str(thinking_tokenizer_dir),
+                                ChatTemplating(default_kwargs='{"enable_thinking": false}'))
+    chat = ChatCompletionRequest(messages=CHAT[:1], **fields).chat()
+    prompt = tokenizer.render_chat(*chat_template_inputs(chat))
+    assert prompt == as_transformers(thinking_tokenizer_dir, CHAT[:1], add_generation_prompt=True,
+                                     enable_thinking=thinks)
+    assert ("<think>" in prompt) == (not thinks)
+
+
+@pytest.mark.parametrize("value, message", [("[1]", "a JSON object"), ("{", "not valid JSON"),
+                                            ('{"messages": []}', "messages")])
+def test_default_template_kwargs_that_are_not_a_json_object_of_free_names_are_refused_naming_the_flag(value,
+                                                                                                     message):
+    with pytest.raises(ValueError, match=message) as refused:
+        ChatTemplating.from_flags("", value)
+    assert "--default-chat-template-kwargs" in str(refused.value)
