@@ -16,7 +16,7 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import unless_disconnected
-from router.http.embeddings import EmbeddingRequest, embedding_of, embeddings_body
+from router.http.embeddings import EmbeddingRequest, embedding_of, embeddings_body, matryoshka_of
 from router.http.errors import APIError, api_error, install_error_handlers, reject_unsupported
 from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -123,8 +123,10 @@ class OpenAIServer:
         body = await parse_body(request, EmbeddingRequest, self.max_request_bytes, self.body_timeout)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
+        if body.dimensions is not None:
+            matryoshka_of(model.model_path).check(body.dimensions, model.name)
         results = await self.embed(request, model, body)
-        return JSONResponse(embeddings_body(results, model.alias_of or model.name, body.encoding_format))
+        return JSONResponse(embeddings_body(results, model.alias_of or model.name, body))
 
     async def score(self, request: Request) -> JSONResponse:
         """vLLM's: the cosine similarity of text_1's embedding and each of text_2's (router/http/scoring.py)."""

@@ -1,11 +1,17 @@
 """OpenAI's /v1/embeddings: each input runs as a request of its own that computes its prompt and returns the
 embedding with its one token (sampling.return_embedding: the last position's final hidden state, L2-normalized, as
-vLLM's LAST pooling gives a decoder model's), answered together in the input's order."""
+vLLM's LAST pooling gives a decoder model's), answered together in the input's order. `dimensions` keeps the first
+ones of each, normalized again, for a model trained so (Matryoshka representation learning: config.json's
+`is_matryoshka` or `matryoshka_dimensions`, the keys vLLM reads); other models refuse it, as vLLM's do."""
 from __future__ import annotations
 
 import base64
 import contextlib
+import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy
@@ -28,8 +34,8 @@ class EmbeddingRequest(RequestFields):
     add_special_tokens: bool = True         # vLLM's: the tokenizer's own (an EOS Qwen3-Embedding pools at, say)
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.dimensions is not None:
-            return "dimensions", "dimensions is not supported: the embedding is the whole hidden state"
+        if self.dimensions == 0:
+            return "dimensions", "dimensions must be at least 1"
         return None
 
     @property
@@ -49,6 +55,42 @@ class EmbeddingRequest(RequestFields):
                                            token_ids=router_pb2.TokenIds(ids=prompt), priority=self.priority or 0,
                                            cache_salt=self.cache_salt or "")
                 for i, prompt in enumerate(prompts)]
+
+
+@dataclass(frozen=True)
+class Matryoshka:
+    """What a model's config.json says of cutting its embeddings short."""
+    trained: bool                        # is_matryoshka, or a list of sizes
+    sizes: tuple[int, ...] = ()          # matryoshka_dimensions: the only sizes it takes (empty: any)
+    hidden_size: int = 0                 # the whole embedding's (0: not said)
+
+    def check(self, dimensions: int, model: str) -> None:
+        """APIError 400 naming `dimensions` where the model may not be cut to that many."""
+        if not self.trained:
+            raise APIError(400, f'model "{model}" does not support matryoshka representation (its config.json '
+                                "names no matryoshka_dimensions): changing output dimensions would give poor "
+                                "embeddings", param="dimensions")
+        if self.sizes and dimensions not in self.sizes:
+            raise APIError(400, f'dimensions: model "{model}" only supports {list(self.sizes)} matryoshka '
+                                "dimensions", param="dimensions")
+        if self.hidden_size and dimensions > self.hidden_size:
+            raise APIError(400, f"dimensions: at most the model's {self.hidden_size}", param="dimensions")
+
+
+@lru_cache(maxsize=8)
+def matryoshka_of(model_path: str) -> Matryoshka:
+    config_file = Path(model_path) / "config.json"
+    config = json.loads(config_file.read_text()) if model_path and config_file.is_file() else {}
+    sizes = tuple(config.get("matryoshka_dimensions") or ())
+    return Matryoshka(bool(sizes) or bool(config.get("is_matryoshka")), sizes, int(config.get("hidden_size", 0)))
+
+
+def cut_short(vector: list[float], dimensions: int | None) -> list[float]:
+    """The first `dimensions` numbers, L2-normalized again (the whole vector when None)."""
+    if dimensions is None:
+        return vector
+    head = numpy.asarray(vector[:dimensions], dtype=numpy.float64)
+    return (head / max(float(numpy.linalg.norm(head)), 1e-12)).tolist()
 
 
 async def embedding_of(responses: AsyncIterator[router_pb2.GenerateResponse]) -> tuple[list[float], int]:
@@ -75,10 +117,11 @@ def tokens_of(embedded: Embedded) -> int:
     return sum(tokens for _, tokens in embedded)
 
 
-def embeddings_body(results: Embedded, model: str, encoding_format: str) -> dict[str, Any]:
+def embeddings_body(results: Embedded, model: str, request: EmbeddingRequest) -> dict[str, Any]:
     prompt_tokens = tokens_of(results)
     return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": encoded(vector, encoding_format)}
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": encoded(cut_short(vector, request.dimensions), request.encoding_format)}
                      for i, (vector, _) in enumerate(results)],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 

@@ -20,6 +20,7 @@ class ServedModel:
     max_model_len: int = 0
     parent: str = ""           # a LoRA adapter's base model ("": a base model)
     alias_of: str = ""         # another name of the model named so (--served-model-name): responses give that one
+    model_path: str = ""       # its folder as the schedulers name it (config.json): "" when not known
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -56,12 +57,14 @@ def directory_models(directory: SchedulerDirectory, templating: ChatTemplating =
             name = info.model or Path(info.model_path).name
             if name not in models and info.model_path:
                 models[name] = ServedModel(name, info.model, load_tokenizer(info.model_path, templating),
-                                           info.max_model_len)
+                                           info.max_model_len, model_path=info.model_path)
                 for alias in info.model_aliases:
                     models.setdefault(alias, ServedModel(alias, info.model, models[name].tokenizer,
-                                                         info.max_model_len, alias_of=name))
+                                                         info.max_model_len, alias_of=name,
+                                                         model_path=info.model_path))
             for adapter in info.lora_adapters:
                 if adapter not in models and name in models:
-                    models[adapter] = ServedModel(adapter, adapter, models[name].tokenizer, info.max_model_len, name)
+                    models[adapter] = ServedModel(adapter, adapter, models[name].tokenizer, info.max_model_len, name,
+                                                  model_path=info.model_path)
         return list(models.values())
     return served
