@@ -28,6 +28,7 @@ from router.http.scoring import RerankRequest, ScoreRequest, rerank_body, score_
 from router.http.served_models import ModelsFn, ServedModel
 from router.http.prompt_batches import all_started, batch_sse_events, merged_body
 from router.http.reasoning import REASONING_PARSERS, THINK_END
+from router.http.responses import EventStream, ResponseObject, ResponsesRequest, response_events
 from router.http.sse import sse_events
 from router.http.streams import collect, started
 from router.http.tokenization import DetokenizeRequest, TokenizeRequest
@@ -146,8 +147,7 @@ class OpenAIServer:
     async def embed(self, request: Request, model: ServedModel, body: EmbeddingRequest
                     ) -> list[tuple[list[float], int]]:
         """Each input's embedding and token count, one request each, run side by side."""
-        caller = dict(api_key=getattr(request.state, "api_key", ""),
-                      tenant_header=request.headers.get(TENANT_HEADER, ""))
+        caller = self.caller(request)
         prompts = [await embedding_prompt(prompt, body.add_special_tokens, model) for prompt in body.inputs]
         requests = body.generate_requests(f"embd-{uuid.uuid4().hex}", model.route_name, prompts)
         work = asyncio.gather(*[embedding_of(self.generate(r, hold=True, **caller)) for r in requests])
@@ -180,7 +180,29 @@ class OpenAIServer:
         body = await self.generation_body(request, ChatCompletionRequest)
         reject_unsupported(body.unsupported())
         model = self.model(body.model)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        generate_request, fmt = await self.chat_plan(body, model, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, run as a chat (router/http/responses.py)."""
+        body = await parse_body(request, ResponsesRequest, self.max_request_bytes, self.body_timeout)
+        reject_unsupported(body.unsupported())
+        chat = body.chat_request()
+        reject_unsupported(chat.unsupported())
+        model = self.model(chat.model)
+        answer = ResponseObject(body, model.alias_of or model.name)
+        generate_request, fmt = await self.chat_plan(chat, model, answer.id)
+        if body.stream:
+            responses = await started(self.generate(generate_request, **self.caller(request)))
+            return StreamingResponse(response_events(responses, fmt, EventStream(answer)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        responses = self.generate(generate_request, hold=True, **self.caller(request))
+        collected = await unless_disconnected(request, collect(responses, 1))
+        return JSONResponse(answer.whole(fmt.body(collected)))
+
+    async def chat_plan(self, body: ChatCompletionRequest, model: ServedModel, request_id: str
+                        ) -> tuple[router_pb2.GenerateRequest, ChatFormat]:
+        """A chat's request for the router, and the format that reads its answer (reasoning, tool calls)."""
         max_tokens, prompt_ids = body.requested_max_tokens, None
         if max_tokens is None and model.max_model_len:   # OpenAI's default: what the context has left after the prompt
             prompt_ids = truncated_prompt(await chat_prompt_ids(model, body), body.truncate_prompt_tokens, 0,
@@ -195,26 +217,28 @@ class OpenAIServer:
         fmt = ChatFormat(request_id, model, body.logprobs, body.include_usage, body.continuous_usage,
                          tokens_as_ids=body.return_tokens_as_token_ids, tools=tools, reasoning=reasoning,
                          include_reasoning=body.include_reasoning is not False)
-        return await self.respond(request, generate_request, fmt, body.stream, body.num_samples)
+        return generate_request, fmt
+
+    @staticmethod
+    def caller(request: Request) -> dict[str, str]:
+        """Who sends the request, as the router's generate takes it."""
+        return dict(api_key=getattr(request.state, "api_key", ""), tenant_header=request.headers.get(TENANT_HEADER, ""))
 
     async def respond(self, request: Request, generate_request: router_pb2.GenerateRequest, fmt: ResponseFormat,
                       stream: bool, num_samples: int) -> Response:
-        api_key = getattr(request.state, "api_key", "")
-        tenant_header = request.headers.get(TENANT_HEADER, "")
         if stream:
-            responses = await started(self.generate(generate_request, api_key=api_key, tenant_header=tenant_header))
+            responses = await started(self.generate(generate_request, **self.caller(request)))
             return StreamingResponse(sse_events(responses, fmt, num_samples), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         # held to the end by the router, so a failed scheduler's work can be retried at any point
-        responses = self.generate(generate_request, hold=True, api_key=api_key, tenant_header=tenant_header)
+        responses = self.generate(generate_request, hold=True, **self.caller(request))
         collected = await unless_disconnected(request, collect(responses, num_samples))   # or ClientGone: 499
         return JSONResponse(fmt.body(collected))
 
     async def respond_batch(self, request: Request, parts: list[tuple[router_pb2.GenerateRequest, CompletionFormat]],
                             stream: bool, num_samples: int) -> Response:
         """A batch of prompts side by side, answered as one (router/http/prompt_batches.py)."""
-        caller = dict(api_key=getattr(request.state, "api_key", ""),
-                      tenant_header=request.headers.get(TENANT_HEADER, ""))
+        caller = self.caller(request)
         formats = [fmt for _, fmt in parts]
         if stream:
             streams = await all_started([self.generate(g, **caller) for g, _ in parts])
@@ -293,6 +317,7 @@ def create_app(generate: GenerateFn, *, models: ModelsFn, api_keys: list[str] | 
     app.add_api_route("/v1/models", server.list_models, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/responses", server.responses, methods=["POST"])
     app.add_api_route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])
     app.add_api_route("/v1/embeddings", server.embeddings, methods=["POST"])

@@ -243,15 +243,23 @@ SAMPLING_FIELDS = {
 PROMPTS = any_text(max_size=20) | st.lists(st.integers(-5, 2**33), max_size=6) | ANY_JSON
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                            "content": any_text(max_size=12) | ANY_JSON}), max_size=3) | ANY_JSON
+INPUTS = any_text(max_size=20) | st.lists(st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"]),
+    "role": st.sampled_from(["user", "developer", "assistant", "tool"]), "content": any_text(max_size=12) | ANY_JSON,
+    "call_id": any_text(max_size=4), "name": any_text(max_size=4), "arguments": any_text(max_size=8),
+    "output": any_text(max_size=8) | ANY_JSON}), max_size=3) | ANY_JSON
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-       fields=st.fixed_dictionaries({}, optional={"prompt": PROMPTS, "messages": MESSAGES, **SAMPLING_FIELDS}))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]),
+       fields=st.fixed_dictionaries({}, optional={"prompt": PROMPTS, "messages": MESSAGES, "input": INPUTS,
+                                                  "instructions": any_text(max_size=8) | ANY_JSON,
+                                                  **SAMPLING_FIELDS}))
 def test_fuzzed_http_requests_never_get_a_server_error(stack, path, fields):
     if fields.get("max_tokens") is None or not isinstance(fields.get("max_tokens"), int):
         fields["max_tokens"] = 3       # keep the valid ones short (chat would otherwise fill the context)
+    fields["max_output_tokens"] = fields["max_tokens"]   # the Responses API's name for it
     response = stack.post(path, fields)
     assert response.status_code in (200, 400, 404, 429), (response.status_code, response.text)
     if response.status_code != 200:

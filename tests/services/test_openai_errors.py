@@ -59,6 +59,14 @@ def assert_error(response: httpx.Response, status: int, *words: str) -> dict:
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, ["text_1"], "text_1"),
     ("/rerank", {"query": "a", "documents": []}, ["documents"], "documents"),
     ("/completions", {"prompt": "hi", "cache_salt": "s" * 1025}, ["cache_salt", "1024"], "cache_salt"),
+    ("/responses", {"input": []}, ["input"], "input"),
+    ("/responses", {"input": "hi", "previous_response_id": "resp_1"}, ["not stored"], "previous_response_id"),
+    ("/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, ["function tools"], "tools[0]"),
+    ("/responses", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, ["text content"],
+     "input[0].content"),
+    ("/responses", {"input": [{"type": "function_call_output", "output": "18 C"}]}, ["call_id"], "input[0].call_id"),
+    ("/responses", {"input": "hi", "temperature": -1}, ["temperature"], None),
+    ("/responses", {"input": "hi", "tool_choice": "required"}, ["tool_choice"], "tool_choice"),
 ])
 def test_bad_input_is_400_naming_the_problem(stack, path, body, words, param):
     error = assert_error(stack.post(path, body), 400, *words)
