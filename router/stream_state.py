@@ -50,7 +50,14 @@ class StreamState:
         self.num_cached_tokens = max(self.num_cached_tokens, min(upstream.num_cached_tokens, self.num_prompt_tokens))
         finish = upstream.finish_reason
         token_ids = upstream.token_ids[:]   # a list: slicing copies faster than list()
-        delta, used = sample.detokenizer.add_until_stop(token_ids, final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
+        # the scheduler's stops end on a stop token (an EOS, one of stop_token_ids, the one a grammar ended with):
+        # as in vLLM its text is not the answer's (an EOS's shows where special tokens are kept) but it counts
+        unread = int(finish == common_pb2.FINISH_REASON_STOP and bool(token_ids)
+                     and not sample.detokenizer.include_stop_str)
+        delta, used = sample.detokenizer.add_until_stop(token_ids[:len(token_ids) - unread],
+                                                        final=finish != common_pb2.FINISH_REASON_UNSPECIFIED)
+        if delta.stop_string is None and used == len(token_ids) - unread:
+            used = len(token_ids)
         sample.num_tokens += used
         # only the fields that are set: each one given to the constructor costs a copy
         response = router_pb2.GenerateResponse(request_id=self.request_id, token_ids=token_ids[:used], text=delta.text)

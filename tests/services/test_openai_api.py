@@ -344,6 +344,7 @@ def test_stop_token_ids_end_the_completion(stack, reference):
     cut = want_ids.index(stop_id)
     assert result.choices[0].finish_reason == "stop"
     assert result.usage.completion_tokens == cut + 1
+    assert result.choices[0].text == reference.decode(want_ids[:cut])   # the stop token's text left out, as vLLM
     assert result.choices[0].model_extra["stop_reason"] == str(stop_id)
 
 

@@ -220,6 +220,9 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(stack):
     chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "<|im_end|>" * 2
+    ended = completion(stack, "Hello", skip_special_tokens=False, logit_bias={str(EOS): 100}, temperature=0).json()
+    assert ended["choices"][0]["text"] == "" and ended["choices"][0]["finish_reason"] == "stop"   # its EOS: no text
+    assert ended["usage"]["completion_tokens"] == 1
 
 
 def test_min_tokens_holds_back_the_end_of_the_text(stack):
