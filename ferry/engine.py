@@ -132,13 +132,13 @@ class Engine:
             raise ValueError(f"params, lora_names: got {len(params_list)}, {len(lora_names)} for {len(prompts)} "
                              "prompts")
         results: dict[str, GenerationResult] = {}
-        skips: dict[str, bool] = {}   # each request's skip_special_tokens
+        params_of: dict[str, SamplingParams] = {}
         try:
             for prompt, p, lora_name in zip(prompts, params_list, lora_names):
                 request_id = f"gen-{next(self.ids)}"
                 token_ids = self.add_request(request_id, prompt, p, lora_name=lora_name)
                 results[request_id] = GenerationResult(request_id, token_ids, [SampleResult() for _ in range(p.n)])
-                skips[request_id] = p.skip_special_tokens
+                params_of[request_id] = p
         except (ValueError, LookupError):
             for request_id in results:   # all or nothing: a bad prompt leaves no half-submitted batch behind
                 self.abort(request_id)
@@ -155,6 +155,13 @@ class Engine:
                         results[out.request_id].embedding = out.embedding
         for request_id, result in results.items():
             for sample in result.samples:
-                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=skips[request_id])
+                sample.text = self.sample_text(sample, params_of[request_id])
         return list(results.values())
+
+    def sample_text(self, sample: SampleResult, params: SamplingParams) -> str:
+        """As the router gives it: a stop token that ended the sample (an EOS, one of stop_token_ids) is counted
+        but is not text, as in vLLM."""
+        stopped = sample.finish_reason == "stop" and not params.include_stop_str_in_output
+        return self.tokenizer.decode(sample.token_ids[:len(sample.token_ids) - int(stopped and bool(sample.token_ids))],
+                                     skip_special_tokens=params.skip_special_tokens)
 

@@ -179,6 +179,7 @@ def test_stop_token_ids_and_eos_end_a_sequence(tiny_llama_dir, prompts, referenc
                                                            stop_token_ids=(stop_at,), ignore_eos=True))[0]
     assert result.finish_reason == "stop"
     assert result.token_ids == reference[0][:reference[0].index(stop_at) + 1]
+    assert result.text == engine.tokenizer.decode(result.token_ids[:-1])   # the stop token is not text (vLLM's)
 
 
 def test_generate_with_one_bad_prompt_submits_none_of_them(tiny_llama_dir):
