@@ -50,7 +50,7 @@ class StreamState:
         self.num_cached_tokens = max(self.num_cached_tokens, min(upstream.num_cached_tokens, self.num_prompt_tokens))
         finish = upstream.finish_reason
         token_ids = upstream.token_ids[:]   # a list: slicing copies faster than list()
-        # the scheduler's stops end on a stop token (an EOS, one of stop_token_ids, the one a grammar ended with):
+        # the scheduler's stops end on a stop token (an EOS, a stop token the request named, a grammar's last):
         # as in vLLM its text is not the answer's (an EOS's shows where special tokens are kept) but it counts
         unread = int(finish == common_pb2.FINISH_REASON_STOP and bool(token_ids)
                      and not sample.detokenizer.include_stop_str)

@@ -375,9 +375,10 @@ def start_http_stack(model_dir: Path, router_flags: tuple[str, ...] = (),
         services.stop()
 
 
-def build_scripted_model(path: Path, script: list[str], chat_template: str) -> Path:
+def build_scripted_model(path: Path, script: list[str], chat_template: str, special: tuple[str, ...] = ()) -> Path:
     """A tiny Llama whose next token depends only on the current one, wired so that after any chat prompt it says
-    the script (each piece an added token) and ends: a real model through a real stack, with known output."""
+    the script (each piece an added token; those in `special` special ones, which detokenizing skips by default)
+    and ends: a real model through a real stack, with known output."""
     import torch
     from tokenizers import AddedToken
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -385,7 +386,7 @@ def build_scripted_model(path: Path, script: list[str], chat_template: str) -> P
     from benchmarks.common.random_models import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(path)
-    tokenizer.add_tokens([AddedToken(piece, normalized=False) for piece in script])
+    tokenizer.add_tokens([AddedToken(piece, normalized=False, special=piece in special) for piece in script])
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     prompt_end = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)[-1]

@@ -211,6 +211,8 @@ class OpenAIServer:
         tools = tool_plan(body, detect_parser(self.tool_call_parser, model.tokenizer.chat_template))
         generate_request = body.generate_request(request_id, model.route_name, max_tokens, prompt_ids)
         add_grammar(tools, generate_request.sampling)
+        if tools.keeps_special_tokens:
+            generate_request.sampling.skip_special_tokens = False
         reasoning = REASONING_PARSERS.get(self.reasoning_parser)
         if reasoning and generate_request.sampling.HasField("structured_output"):   # it holds after the thinking
             generate_request.sampling.structured_output_after.extend(model.tokenizer.encode(THINK_END))

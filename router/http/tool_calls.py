@@ -17,7 +17,8 @@ from router.http.tool_parsers import (PARSERS, CallArrayParser, NamedCallParser,
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 # what in a chat template tells which format its model calls tools in, as vLLM users pick --tool-call-parser
-TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("ipython", "llama3_json"))
+TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("ipython", "llama3_json"),
+                    ("[TOOL_CALLS]", "mistral"))
 
 ParserFactory = Callable[[], ToolParser]
 
@@ -38,6 +39,11 @@ class ToolPlan:
     @property
     def calls_tools(self) -> bool:
         return self.parser is not None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The parser reads a special token (Mistral's [TOOL_CALLS]), which the text must keep."""
+        return getattr(self.parser, "keeps_special_tokens", False)
 
 
 def tool_plan(body: ChatCompletionRequest, parser_name: str) -> ToolPlan:

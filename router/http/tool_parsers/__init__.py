@@ -9,9 +9,10 @@ of its arguments' JSON text). Text that may still turn out to open a call is hel
 from router.http.tool_parsers.deltas import ParsedDelta, ToolCallDelta
 from router.http.tool_parsers.forced import CallArrayParser, NamedCallParser
 from router.http.tool_parsers.marked import HermesParser, Llama3JsonParser
+from router.http.tool_parsers.mistral import MistralParser
 from router.http.tool_parsers.parser import ToolParser
 
-__all__ = ["PARSERS", "CallArrayParser", "HermesParser", "Llama3JsonParser", "NamedCallParser", "ParsedDelta",
-           "ToolCallDelta", "ToolParser"]
+__all__ = ["PARSERS", "CallArrayParser", "HermesParser", "Llama3JsonParser", "MistralParser", "NamedCallParser",
+           "ParsedDelta", "ToolCallDelta", "ToolParser"]
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}

@@ -34,9 +34,13 @@ class MarkedCallParser(ToolParser):
             return False
         self.show(self.buffer[:at])
         self.buffer = self.buffer[at + len(self.start):]
+        self.after_marker()
+        return True
+
+    def after_marker(self) -> None:
+        """The marker is read: a call follows (its text given back as content if it is no call after all)."""
         self.open_call(self.start)
         self.state = "call"
-        return True
 
     def after_call(self) -> bool:
         self.state = "text"

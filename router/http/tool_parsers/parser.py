@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from router.http.tool_parsers.call_object import CallObject
 from router.http.tool_parsers.deltas import ParsedDelta, ToolCallDelta
@@ -14,7 +15,7 @@ class CallStream:
     """A call as the client has seen it: the id it was given and how much of its arguments were sent."""
     index: int
     call: CallObject
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = ""
     name: str | None = None
     sent: int = 0
     announced: bool = False
@@ -42,6 +43,7 @@ class ToolParser:
     trailing: str = ""          # whitespace after a call, shown only if more content follows
     content: str = ""
     state: str = "text"         # "call" while a call object reads the text, "after_call" once it is whole
+    keeps_special_tokens: ClassVar[bool] = False   # its marker is a special token, which the text must keep
 
     def feed(self, text: str) -> ParsedDelta:
         self.buffer += text
@@ -75,7 +77,11 @@ class ToolParser:
         return self.calls[-1] if self.calls else None
 
     def open_call(self, prefix: str = "") -> None:
-        self.calls.append(CallStream(len(self.calls), CallObject(text=prefix)))
+        self.calls.append(CallStream(len(self.calls), CallObject(text=prefix), self.new_call_id()))
+
+    def new_call_id(self) -> str:
+        """The id the client gets for a call (and sends back with its result)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
     def feed_call(self) -> bool:
         """Gives the buffer to the open call; true when the call is complete."""

@@ -22,7 +22,8 @@ DECLARED = {"protos/common.proto"}
 # Each field with a name no other code uses, and the files that honour it (what adding one such field touches)
 PLACES = {
     # the model's generation_config.json gives these defaults under the same names (router/generation_defaults.py)
-    "top_p": {"gpu_worker/sampling/sampler.py", "gpu_worker/cuda/device_memory.py", "router/generation_defaults.py"},
+    "top_p": {"gpu_worker/sampling/sampler.py", "gpu_worker/cuda/device_memory.py", "router/generation_defaults.py",
+              "router/http/responses.py"},   # and the Responses API takes it (as a chat's) under its name
     "min_p": {"gpu_worker/sampling/sampler.py", "router/generation_defaults.py"},
     "presence_penalty": {"gpu_worker/sampling/sampler.py"},
     "frequency_penalty": {"gpu_worker/sampling/sampler.py"},

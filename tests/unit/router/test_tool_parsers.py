@@ -15,8 +15,8 @@ from router.http.formats import ChatFormat, Choice, Collected
 from router.http.schema import ChatCompletionRequest
 from router.http.served_models import ServedModel
 from router.http.tool_calls import CallsSoFar, detect_parser, tool_plan
-from router.http.tool_parsers import (CallArrayParser, HermesParser, Llama3JsonParser, NamedCallParser, ParsedDelta,
-                                      ToolCallDelta)
+from router.http.tool_parsers import (CallArrayParser, HermesParser, Llama3JsonParser, MistralParser, NamedCallParser,
+                                      ParsedDelta, ToolCallDelta)
 from router.tokenizer import RouterTokenizer
 
 WEATHER = {"city": "Paris \"Ville\" {lumière}", "days": [1, 2], "unit": {"kind": "c"}}
@@ -255,3 +255,36 @@ def test_tools_and_tool_messages_render_as_transformers_renders_them(hermes_toke
 def test_chat_tools_that_are_not_json_are_refused():
     with pytest.raises(ValueError, match="not valid JSON"):
         chat_template_inputs(router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user")], tools="[{"))
+
+
+# --- Mistral's [TOOL_CALLS] ---------------------------------------------------------------------------------------
+MISTRAL_ARRAY = (f'Let me check.[TOOL_CALLS] [{{"name": "get_weather", "arguments": {json.dumps(WEATHER)}}}, '
+                 f'{{"name": "get_time", "arguments": {json.dumps(TIME)}}}]')
+MISTRAL_NAMED = f'Let me check.[TOOL_CALLS]get_weather[ARGS]{json.dumps(WEATHER)}[TOOL_CALLS]get_time[ARGS]{{}}'
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("text, calls", [(MISTRAL_ARRAY, [("get_weather", WEATHER), ("get_time", TIME)]),
+                                         (MISTRAL_NAMED, [("get_weather", WEATHER), ("get_time", {})])],
+                         ids=["array", "named"])
+def test_mistral_calls_in_either_form_reassemble_from_any_cut_of_the_stream(text, calls, seed):
+    content, got, _ = streamed(MistralParser(), cuts(text, seed))
+    assert content == "Let me check." and names_and_arguments(got) == calls
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)   # what Mistral's templates take back
+
+
+@pytest.mark.parametrize("text", ["Plain answer.", "a [TOOL] b [TOOL_CALL", "[1, 2] is a list"])
+def test_mistral_text_without_the_marker_stays_content(text):
+    for seed in range(3):
+        assert streamed(MistralParser(), cuts(text, seed))[:2] == (text, [])
+
+
+def test_mistral_call_cut_off_by_max_tokens_keeps_what_arrived():
+    _, calls, _ = streamed(MistralParser(), ['[TOOL_CALLS]get_weather[ARGS]{"city": "Pa'])
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+
+
+def test_the_mistral_parser_keeps_special_tokens_in_the_text_it_reads():
+    assert tool_plan(chat_request(tools=TOOLS), "mistral").keeps_special_tokens
+    assert not tool_plan(chat_request(tools=TOOLS), "hermes").keeps_special_tokens
+    assert detect_parser("", "{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}") == "mistral"
