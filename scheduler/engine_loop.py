@@ -69,6 +69,8 @@ class BuildCost:
     flip how steps are built for the many after it, as a moving average's long tail would."""
     window: int = 16
     small_share: float = 0.05    # of a step: what waiting for the build may cost the worker at most
+    host_seconds: float = 0.0    # the medians, taken once a step as it is observed (small() is asked more often)
+    busy_seconds: float = 0.0
     hosts: deque = field(default_factory=deque)
     busies: deque = field(default_factory=deque)
 
@@ -77,14 +79,7 @@ class BuildCost:
             seen.append(seconds)
             if len(seen) > self.window:
                 seen.popleft()
-
-    @property
-    def host_seconds(self) -> float:
-        return statistics.median(self.hosts) if self.hosts else 0.0
-
-    @property
-    def busy_seconds(self) -> float:
-        return statistics.median(self.busies) if self.busies else 0.0
+        self.host_seconds, self.busy_seconds = statistics.median(self.hosts), statistics.median(self.busies)
 
     def small(self) -> bool:
         return 0 < self.host_seconds <= self.small_share * self.busy_seconds
