@@ -162,6 +162,6 @@ class Engine:
         """As the router gives it: a stop token that ended the sample (an EOS, one of stop_token_ids) is counted
         but is not text, as in vLLM."""
         stopped = sample.finish_reason == "stop" and not params.include_stop_str_in_output
-        return self.tokenizer.decode(sample.token_ids[:len(sample.token_ids) - int(stopped and bool(sample.token_ids))],
+        return self.tokenizer.decode(sample.token_ids[:-1] if stopped else sample.token_ids,
                                      skip_special_tokens=params.skip_special_tokens)
 
