@@ -16,7 +16,7 @@ from router.chat_messages import chat_chars, chat_template_inputs
 from router.http.auth import ApiKeyMiddleware
 from router.http.body import BODY_TIMEOUT_S, MAX_REQUEST_BYTES, parse_body
 from router.http.disconnect import unless_disconnected
-from router.http.embeddings import EmbeddingRequest, embedding_of, embeddings_body, matryoshka_of
+from router.http.embeddings import Embedded, EmbeddingRequest, embedding_of, embeddings_body, matryoshka_of
 from router.http.errors import APIError, api_error, install_error_handlers, reject_unsupported
 from router.http.fill_in_middle import NoFillInTheMiddle
 from router.http.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -144,8 +144,7 @@ class OpenAIServer:
         embedded = await self.embed(request, model, body.embedding_request([body.query, *body.documents]))
         return JSONResponse(rerank_body(body, embedded, model.alias_of or model.name))
 
-    async def embed(self, request: Request, model: ServedModel, body: EmbeddingRequest
-                    ) -> list[tuple[list[float], int]]:
+    async def embed(self, request: Request, model: ServedModel, body: EmbeddingRequest) -> Embedded:
         """Each input's embedding and token count, one request each, run side by side."""
         caller = self.caller(request)
         prompts = [await embedding_prompt(prompt, body.add_special_tokens, model) for prompt in body.inputs]
